@@ -1,0 +1,131 @@
+"""Text generation on one MLX model with the KV prefix cache consulted first."""
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from exo.engine.mlx.prefix_cache import KVPrefixCache, PrefixMatch
+from exo.engine.stop_sequences import StopMatcher
+from exo.shared.types.tasks import FinishReason, GenerationParams, Usage
+
+PREFILL_STEP_TOKENS = 512
+
+
+class GenerationCancelled(Exception):
+    """The request was cancelled (client went away)."""
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationDone:
+    finish_reason: FinishReason
+    usage: Usage
+
+
+GenerationOutput = TextDelta | GenerationDone
+
+
+class TextGenerator:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: TokenizerWrapper,
+        prefix_cache: KVPrefixCache | None,
+        prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prefix_cache = prefix_cache
+        self.prefill_step_tokens = prefill_step_tokens
+
+    def _prefill(
+        self,
+        tokens: Sequence[int],
+        is_cancelled: Callable[[], bool],
+        on_progress: Callable[[int, int], None],
+    ) -> tuple[list, PrefixMatch]:
+        """Restore the longest cached prefix, prefill all but the last prompt token, store."""
+        cache = self.prefix_cache
+        match = cache.lookup(tokens) if cache else PrefixMatch(None, 0, len(tokens))
+        layers = (cache.restore(match) if cache else None) or make_prompt_cache(self.model)
+        done = match.usable if layers is not None and match.is_hit else 0
+        total = len(tokens) - 1
+        on_progress(done, total)
+        while done < total:
+            if is_cancelled():
+                raise GenerationCancelled
+            chunk = tokens[done : min(done + self.prefill_step_tokens, total)]
+            self.model(mx.array(chunk)[None], cache=layers)
+            mx.eval([layer.state for layer in layers])
+            done += len(chunk)
+            on_progress(done, total)
+        return layers, match
+
+    def generate(
+        self,
+        tokens: Sequence[int],
+        params: GenerationParams,
+        system_prompt_length: int = 0,
+        is_cancelled: Callable[[], bool] = lambda: False,
+        on_progress: Callable[[int, int], None] = lambda done, total: None,
+    ) -> Iterator[GenerationOutput]:
+        if not tokens:
+            raise ValueError("the prompt has no tokens")
+        layers, match = self._prefill(tokens, is_cancelled, on_progress)
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(tokens[:-1], layers, match, system_prompt_length)
+        if params.seed is not None:
+            mx.random.seed(params.seed)
+        sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
+        detokenizer = self.tokenizer.detokenizer
+        detokenizer.reset()
+        stops = StopMatcher(tuple(params.stop))
+        eos = set(self.tokenizer.eos_token_ids)
+        finish: FinishReason = "length"
+        hit_stop_string = False
+        produced = 0
+        steps = generate_step(
+            mx.array(tokens[-1:]),
+            self.model,
+            max_tokens=params.max_tokens,
+            sampler=sampler,
+            prompt_cache=layers,
+        )
+        for token, _ in steps:
+            produced += 1
+            if token in eos:
+                finish = "stop"
+                break
+            detokenizer.add_token(token)
+            text, hit_stop_string = stops.feed(detokenizer.last_segment)
+            if text:
+                yield TextDelta(text=text)
+            if hit_stop_string:
+                finish = "stop"
+                break
+            if is_cancelled():
+                raise GenerationCancelled
+        if not hit_stop_string:
+            detokenizer.finalize()
+            tail, _ = stops.feed(detokenizer.last_segment)
+            tail += stops.flush()
+            if tail:
+                yield TextDelta(text=tail)
+        yield GenerationDone(
+            finish_reason=finish,
+            usage=Usage(
+                prompt_tokens=len(tokens),
+                completion_tokens=produced,
+                cached_tokens=match.usable if match.is_hit else 0,
+            ),
+        )

@@ -1,0 +1,110 @@
+"""A node: imports its model, supervises the runner, serves the HTTP API."""
+
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import uvicorn
+from loguru import logger
+from mlx_lm.utils import load_tokenizer
+
+from exo.api.app import ServedModel, create_app
+from exo.models.builtin import DEFAULT_MODEL_ID, ensure_default_model
+from exo.models.store import context_length, model_dir
+from exo.shared.types.ids import ModelId
+from exo.worker.runner.supervisor import RunnerSupervisor
+
+READY_ANNOUNCE_TIMEOUT_SECONDS = 600.0
+
+
+class NodeStartupError(RuntimeError):
+    """The node cannot start (port taken, model missing); the message says why."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    host: str
+    api_port: int
+    data_dir: Path
+    models_dir: Path
+    model_id: ModelId
+    prefix_cache_bytes: int
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise NodeStartupError(
+            f"cannot listen on {host}:{port} ({error.strerror}); "
+            "is another exo running? Choose another port with --api-port"
+        ) from error
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def _resolve_model(config: NodeConfig) -> Path:
+    if config.model_id == DEFAULT_MODEL_ID:
+        return ensure_default_model(config.models_dir)
+    path = model_dir(config.models_dir, config.model_id)
+    if not (path / "config.json").exists():
+        raise NodeStartupError(
+            f"model {config.model_id!r} is not in {config.models_dir}; "
+            "import one with 'exo import-gguf PATH --model-id ID'"
+        )
+    return path
+
+
+def _curl_example(base_url: str, model_id: str) -> str:
+    return (
+        f"curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{model_id}\", \"messages\": "
+        "[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"
+    )
+
+
+async def run_node(config: NodeConfig) -> None:
+    sock = _bind(config.host, config.api_port)
+    shown_host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
+    base_url = f"http://{shown_host}:{config.api_port}"
+    logger.info(f"preparing model {config.model_id} in {config.models_dir}")
+    path = await anyio.to_thread.run_sync(_resolve_model, config)
+    tokenizer = await anyio.to_thread.run_sync(load_tokenizer, path)
+    runner = RunnerSupervisor(
+        config.model_id, path, config.prefix_cache_bytes, config.data_dir / "cache"
+    )
+    served = ServedModel(
+        model_id=config.model_id,
+        tokenizer=tokenizer,
+        context_length=context_length(path),
+        runner=runner,
+        created=int(time.time()),
+    )
+    app = create_app({config.model_id: served})
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+    )
+
+    async def announce_ready() -> None:
+        if await runner.wait_ready(READY_ANNOUNCE_TIMEOUT_SECONDS):
+            logger.info(f"ready: {config.model_id} is serving at {base_url}/v1")
+
+    logger.info(f"API listening on {base_url} (loading the model; requests wait for it)")
+    logger.info(f"try:\n  {_curl_example(base_url, config.model_id)}")
+    async with anyio.create_task_group() as group:
+        group.start_soon(runner.run)
+        group.start_soon(announce_ready)
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            logger.info("shutting down")
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                await runner.shutdown()
+            group.cancel_scope.cancel()

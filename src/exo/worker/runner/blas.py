@@ -1,0 +1,75 @@
+"""OpenBLAS preloading for runner processes on Linux.
+
+`mlx[cpu]` ships a reference BLAS; preloading OpenBLAS from the
+`cmeel-openblas` wheel makes float32 matmul ~80x faster. It must be in the
+environment before the runner process starts, hence a child-process env.
+
+That OpenBLAS needs `libgfortran.so.5`, which a bare machine may lack; the
+`mlx-cpu` wheel bundles one under a mangled name, so we expose it under the
+expected name in a small directory put on `LD_LIBRARY_PATH`.
+"""
+
+import ctypes.util
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from loguru import logger
+
+
+def _package_file(package: str, predicate: "callable[[str], bool]") -> Path | None:  # type: ignore[valid-type]
+    try:
+        files = metadata.files(package) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if predicate(f.name):
+            return Path(str(f.locate())).resolve()
+    return None
+
+
+def openblas_library() -> Path | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    return _package_file("cmeel-openblas", lambda name: name == "libopenblas.so.0")
+
+
+def _gfortran_shim_dir(cache_dir: Path) -> Path | None:
+    """A directory holding `libgfortran.so.5` (and its libquadmath) from the mlx-cpu wheel."""
+    gfortran = _package_file(
+        "mlx-cpu", lambda n: n.startswith("libgfortran-") and ".so" in n
+    )
+    if gfortran is None:
+        return None
+    shim = cache_dir / "blas-libs"
+    shim.mkdir(parents=True, exist_ok=True)
+    links = {"libgfortran.so.5": gfortran}
+    # The mangled libgfortran finds its mangled libquadmath through $ORIGIN,
+    # which is the link's directory, so that one is linked under its own name.
+    for sibling in gfortran.parent.glob("libquadmath-*"):
+        links[sibling.name] = sibling
+    for name, target in links.items():
+        link = shim / name
+        if not (link.is_symlink() and link.resolve() == target):
+            link.unlink(missing_ok=True)
+            link.symlink_to(target)
+    return shim
+
+
+def runner_environment(cache_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a runner child process (OpenBLAS preloaded where found)."""
+    env = dict(os.environ if base is None else base)
+    lib = openblas_library()
+    if lib is None:
+        return env
+    if ctypes.util.find_library("gfortran") is None:
+        shim = _gfortran_shim_dir(cache_dir)
+        if shim is None:
+            logger.warning("libgfortran not found: runners use MLX's slow reference BLAS")
+            return env
+        paths = [str(shim), *filter(None, env.get("LD_LIBRARY_PATH", "").split(":"))]
+        env["LD_LIBRARY_PATH"] = ":".join(paths)
+    preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and p != str(lib)]
+    env["LD_PRELOAD"] = ":".join([str(lib), *preload])
+    return env

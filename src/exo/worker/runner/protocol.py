@@ -1,0 +1,85 @@
+"""Messages between the node (supervisor) and a runner process: JSON lines.
+
+The supervisor writes `ToRunner` messages to the runner's stdin; the runner
+writes `FromRunner` messages to its protocol pipe (the process's stdout; its
+own prints and logs go to stderr).
+"""
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from exo.engine.mlx.prefix_cache import CacheStats
+from exo.shared.types.ids import TaskId
+from exo.shared.types.runner import RunnerStatus
+from exo.shared.types.tasks import FinishReason, GenerationParams, Usage
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class Generate(_Message):
+    kind: Literal["generate"] = "generate"
+    task_id: TaskId
+    tokens: list[int]
+    params: GenerationParams
+    system_prompt_length: int = 0
+
+
+class Cancel(_Message):
+    kind: Literal["cancel"] = "cancel"
+    task_id: TaskId
+
+
+class Shutdown(_Message):
+    kind: Literal["shutdown"] = "shutdown"
+
+
+class StatusChanged(_Message):
+    kind: Literal["status"] = "status"
+    status: RunnerStatus
+    error: str | None = None
+
+
+class PrefillProgress(_Message):
+    kind: Literal["prefill_progress"] = "prefill_progress"
+    task_id: TaskId
+    done: int
+    total: int
+
+
+class Chunk(_Message):
+    kind: Literal["chunk"] = "chunk"
+    task_id: TaskId
+    text: str
+
+
+class Finished(_Message):
+    kind: Literal["finished"] = "finished"
+    task_id: TaskId
+    finish_reason: FinishReason
+    usage: Usage
+
+
+class TaskFailed(_Message):
+    kind: Literal["task_failed"] = "task_failed"
+    task_id: TaskId
+    error: str
+    cancelled: bool = False
+
+
+class CacheStatsReport(_Message):
+    kind: Literal["cache_stats"] = "cache_stats"
+    stats: CacheStats
+
+
+ToRunner = Annotated[Generate | Cancel | Shutdown, Field(discriminator="kind")]
+FromRunner = Annotated[
+    StatusChanged | PrefillProgress | Chunk | Finished | TaskFailed | CacheStatsReport,
+    Field(discriminator="kind"),
+]
+TaskMessage = PrefillProgress | Chunk | Finished | TaskFailed
+
+to_runner_adapter: TypeAdapter[ToRunner] = TypeAdapter(ToRunner)
+from_runner_adapter: TypeAdapter[FromRunner] = TypeAdapter(FromRunner)

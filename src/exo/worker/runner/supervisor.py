@@ -1,0 +1,194 @@
+"""Runs one runner process and routes its messages to the requests waiting on them.
+
+The runner's status (starting → loading → ready ⇄ running, or failed) is kept
+here; a crash fails every waiting request with an error (never a hang) and the
+runner is started again after a back-off.
+"""
+
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+from anyio.abc import Process
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.text import TextReceiveStream
+from loguru import logger
+from pydantic import ValidationError
+
+from exo.engine.mlx.prefix_cache import CacheStats
+from exo.shared.types.ids import ModelId, TaskId
+from exo.shared.types.runner import RunnerStatus
+from exo.worker.runner.blas import runner_environment
+from exo.worker.runner.protocol import (
+    CacheStatsReport,
+    Cancel,
+    Finished,
+    Generate,
+    Shutdown,
+    StatusChanged,
+    TaskFailed,
+    TaskMessage,
+    ToRunner,
+    from_runner_adapter,
+)
+
+RESTART_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
+SHUTDOWN_GRACE_SECONDS = 5.0
+TASK_BUFFER = 1024
+
+
+class RunnerUnavailable(Exception):
+    """The runner is not able to take requests (it failed and is restarting)."""
+
+
+class RunnerSupervisor:
+    def __init__(
+        self, model_id: ModelId, model_dir: Path, prefix_cache_bytes: int, cache_dir: Path
+    ) -> None:
+        self.model_id = model_id
+        self.model_dir = model_dir
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self.cache_dir = cache_dir
+        self.status: RunnerStatus = "starting"
+        self.error: str | None = None
+        self.cache_stats: CacheStats | None = None
+        self.restarts = 0
+        self._process: Process | None = None
+        self._write_lock = anyio.Lock()
+        self._tasks: dict[TaskId, MemoryObjectSendStream[TaskMessage]] = {}
+        self._ready = anyio.Event()
+
+    def _set_status(self, status: RunnerStatus, error: str | None = None) -> None:
+        if status != self.status:
+            level = "ERROR" if status == "failed" else "INFO"
+            suffix = f": {error}" if error else ""
+            logger.log(level, f"runner for {self.model_id}: {status}{suffix}")
+        self.status = status
+        self.error = error
+        if status == "ready":
+            self._ready.set()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        with anyio.move_on_after(timeout):
+            await self._ready.wait()
+        return self._ready.is_set()
+
+    async def run(self) -> None:
+        """Keep a runner process alive until cancelled."""
+        failures = 0
+        while True:
+            reached_ready = await self._run_once()
+            failures = 0 if reached_ready else failures + 1
+            self.restarts += 1
+            delay = RESTART_BACKOFF_SECONDS[min(failures, len(RESTART_BACKOFF_SECONDS) - 1)]
+            logger.warning(f"runner for {self.model_id} exited; restarting in {delay:.0f}s")
+            await anyio.sleep(delay)
+
+    async def _run_once(self) -> bool:
+        self._ready = anyio.Event()
+        self._set_status("starting")
+        command = [
+            sys.executable,
+            "-m",
+            "exo.worker.runner.runner_main",
+            "--model-dir",
+            str(self.model_dir),
+            "--prefix-cache-bytes",
+            str(self.prefix_cache_bytes),
+        ]
+        reached_ready = False
+        process = await anyio.open_process(
+            command, env=runner_environment(self.cache_dir), stderr=None
+        )
+        self._process = process
+        try:
+            assert process.stdout is not None
+            buffer = ""
+            async for text in TextReceiveStream(process.stdout):
+                buffer += text
+                *lines, buffer = buffer.split("\n")
+                for line in lines:
+                    if line.strip():
+                        self._dispatch(line)
+                        reached_ready = reached_ready or self.status == "ready"
+            with anyio.move_on_after(SHUTDOWN_GRACE_SECONDS):
+                await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_GRACE_SECONDS):
+                    await process.wait()
+            self._process = None
+            reason = self.error or f"runner process exited with code {process.returncode}"
+            self._set_status("failed", reason)
+            self._fail_all(reason)
+        return reached_ready
+
+    def _dispatch(self, line: str) -> None:
+        try:
+            message = from_runner_adapter.validate_json(line)
+        except ValidationError:
+            logger.warning(f"runner sent an unreadable line: {line[:200]!r}")
+            return
+        if isinstance(message, StatusChanged):
+            self._set_status(message.status, message.error)
+        elif isinstance(message, CacheStatsReport):
+            self.cache_stats = message.stats
+        else:
+            stream = self._tasks.get(message.task_id)
+            if stream is None:
+                return
+            try:
+                stream.send_nowait(message)
+            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                logger.warning(f"dropping output of task {message.task_id}: nobody reads it")
+            if isinstance(message, Finished | TaskFailed):
+                stream.close()
+                self._tasks.pop(message.task_id, None)
+
+    def _fail_all(self, reason: str) -> None:
+        for task_id, stream in list(self._tasks.items()):
+            try:
+                stream.send_nowait(TaskFailed(task_id=task_id, error=f"runner failed: {reason}"))
+            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+            stream.close()
+        self._tasks.clear()
+
+    async def _send(self, message: ToRunner) -> None:
+        process = self._process
+        if process is None or process.stdin is None:
+            raise RunnerUnavailable(self.error or f"runner is {self.status}")
+        async with self._write_lock:
+            await process.stdin.send((message.model_dump_json() + "\n").encode())
+
+    @asynccontextmanager
+    async def generate(
+        self, request: Generate
+    ) -> AsyncIterator[MemoryObjectReceiveStream[TaskMessage]]:
+        """Submit a task and receive its messages; the stream ends after `Finished`
+        or `TaskFailed`. Leaving before that cancels the task on the runner."""
+        if self.status == "failed" or self._process is None:
+            raise RunnerUnavailable(self.error or f"runner is {self.status}")
+        send, receive = anyio.create_memory_object_stream[TaskMessage](TASK_BUFFER)
+        self._tasks[request.task_id] = send
+        try:
+            await self._send(request)
+            async with receive:
+                yield receive
+        finally:
+            if self._tasks.pop(request.task_id, None) is not None:
+                send.close()
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self._send(Cancel(task_id=request.task_id))
+                    except (RunnerUnavailable, anyio.BrokenResourceError, OSError):
+                        pass
+
+    async def shutdown(self) -> None:
+        try:
+            await self._send(Shutdown())
+        except (RunnerUnavailable, anyio.BrokenResourceError, OSError):
+            pass
