@@ -35,22 +35,53 @@ def _node_parser() -> argparse.ArgumentParser:
         "Every flag has an EXO_* environment variable equivalent.",
         epilog="Other commands: 'exo import-gguf PATH --model-id ID' imports a llama GGUF file.",
     )
-    parser.add_argument("--host", default=_env("EXO_HOST", "0.0.0.0"),
-                        help="address the API binds to (EXO_HOST; default 0.0.0.0)")
-    parser.add_argument("--api-port", type=int, default=int(_env("EXO_API_PORT", str(DEFAULT_API_PORT))),
-                        help=f"HTTP API port (EXO_API_PORT; default {DEFAULT_API_PORT})")
-    parser.add_argument("--data-dir", type=Path, default=Path(_env("EXO_DATA_DIR", str(default_data_dir()))),
-                        help="where the node keeps its state (EXO_DATA_DIR)")
-    parser.add_argument("--models-dir", type=Path, default=default_models_dir(),
-                        help="where models live, one folder each (EXO_MODELS_DIR)")
-    parser.add_argument("--model", default=_env("EXO_MODEL", DEFAULT_MODEL_ID),
-                        help=f"model id to serve (EXO_MODEL; default the built-in {DEFAULT_MODEL_ID})")
-    parser.add_argument("--prefix-cache-bytes", type=int,
-                        default=int(_env("EXO_PREFIX_CACHE_BYTES", "-1")),
-                        help="byte budget of the KV prefix cache; 0 disables it "
-                        f"(EXO_PREFIX_CACHE_BYTES; default {DEFAULT_PREFIX_CACHE_FRACTION:.0%} of RAM)")
-    parser.add_argument("--log-level", default=_env("EXO_LOG_LEVEL", "INFO"),
-                        help="DEBUG, INFO, WARNING or ERROR (EXO_LOG_LEVEL)")
+    parser.add_argument(
+        "--host",
+        default=_env("EXO_HOST", "0.0.0.0"),
+        help="address the API binds to (EXO_HOST; default 0.0.0.0)",
+    )
+    parser.add_argument(
+        "--api-port",
+        type=int,
+        default=int(_env("EXO_API_PORT", str(DEFAULT_API_PORT))),
+        help=f"HTTP API port (EXO_API_PORT; default {DEFAULT_API_PORT})",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(_env("EXO_DATA_DIR", str(default_data_dir()))),
+        help="where the node keeps its state (EXO_DATA_DIR)",
+    )
+    parser.add_argument(
+        "--models-dir",
+        type=Path,
+        default=default_models_dir(),
+        help="where models live, one folder each (EXO_MODELS_DIR)",
+    )
+    parser.add_argument(
+        "--model",
+        default=_env("EXO_MODEL", DEFAULT_MODEL_ID),
+        help=f"model id to serve (EXO_MODEL; default the built-in {DEFAULT_MODEL_ID})",
+    )
+    parser.add_argument(
+        "--prefix-cache-bytes",
+        type=int,
+        default=int(_env("EXO_PREFIX_CACHE_BYTES", "-1")),
+        help="byte budget of the KV prefix cache; 0 disables it "
+        f"(EXO_PREFIX_CACHE_BYTES; default {DEFAULT_PREFIX_CACHE_FRACTION:.0%} of RAM)",
+    )
+    parser.add_argument(
+        "--sse-keepalive-seconds",
+        type=float,
+        default=float(_env("EXO_SSE_KEEPALIVE_SECONDS", "10")),
+        help="seconds between SSE keep-alive comments while a stream waits, e.g. during "
+        "a long prefill (EXO_SSE_KEEPALIVE_SECONDS; default 10)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=_env("EXO_LOG_LEVEL", "INFO"),
+        help="DEBUG, INFO, WARNING or ERROR (EXO_LOG_LEVEL)",
+    )
     return parser
 
 
@@ -60,9 +91,15 @@ def _import_parser() -> argparse.ArgumentParser:
         description="Import a llama-architecture GGUF file as an MLX model folder.",
     )
     parser.add_argument("path", type=Path, help="the .gguf file")
-    parser.add_argument("--model-id", required=True, help="id to serve it under, e.g. my-org/my-model")
-    parser.add_argument("--models-dir", type=Path, default=default_models_dir(),
-                        help="where models live (EXO_MODELS_DIR)")
+    parser.add_argument(
+        "--model-id", required=True, help="id to serve it under, e.g. my-org/my-model"
+    )
+    parser.add_argument(
+        "--models-dir",
+        type=Path,
+        default=default_models_dir(),
+        help="where models live (EXO_MODELS_DIR)",
+    )
     return parser
 
 
@@ -109,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         models_dir=args.models_dir,
         model_id=model_id,
         prefix_cache_bytes=cache_bytes,
+        sse_keepalive_seconds=args.sse_keepalive_seconds,
     )
     try:
         anyio.run(run_node, config)

@@ -31,6 +31,7 @@ class NodeConfig:
     models_dir: Path
     model_id: ModelId
     prefix_cache_bytes: int
+    sse_keepalive_seconds: float = 10.0
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -65,8 +66,8 @@ def _resolve_model(config: NodeConfig) -> Path:
 def _curl_example(base_url: str, model_id: str) -> str:
     return (
         f"curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' "
-        f"-d '{{\"model\": \"{model_id}\", \"messages\": "
-        "[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'"
+        f'-d \'{{"model": "{model_id}", "messages": '
+        '[{"role": "user", "content": "What is the capital of France?"}]}\''
     )
 
 
@@ -87,7 +88,7 @@ async def run_node(config: NodeConfig) -> None:
         runner=runner,
         created=int(time.time()),
     )
-    app = create_app({config.model_id: served})
+    app = create_app({config.model_id: served}, config.sse_keepalive_seconds)
     server = uvicorn.Server(
         uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
     )

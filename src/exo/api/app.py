@@ -1,5 +1,6 @@
 """The HTTP API: OpenAI-compatible chat completions over the node's runners."""
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -58,13 +59,13 @@ def _usage(usage: Usage) -> CompletionUsage:
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
-    import json
-
     data = payload if isinstance(payload, str) else json.dumps(payload)
     return f"data: {data}\n\n"
 
 
-def create_app(models: dict[ModelId, ServedModel], keepalive_seconds: float = KEEPALIVE_SECONDS) -> FastAPI:
+def create_app(
+    models: dict[ModelId, ServedModel], keepalive_seconds: float = KEEPALIVE_SECONDS
+) -> FastAPI:
     app = FastAPI(title="exo", version="0.1.0")
     install_error_handlers(app)
 
@@ -113,13 +114,19 @@ def create_app(models: dict[ModelId, ServedModel], keepalive_seconds: float = KE
         return {
             "status": "ok",
             "runners": {
-                m.model_id: {"status": m.runner.status, "error": m.runner.error, "restarts": m.runner.restarts}
+                m.model_id: {
+                    "status": m.runner.status,
+                    "error": m.runner.error,
+                    "restarts": m.runner.restarts,
+                }
                 for m in models.values()
             },
         }
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request
+    ) -> Response | ChatCompletion:
         model = served_model(body.model)
         prompt: ChatPrompt = await anyio.to_thread.run_sync(
             render_chat_prompt, model.tokenizer, body.messages
@@ -150,8 +157,10 @@ def create_app(models: dict[ModelId, ServedModel], keepalive_seconds: float = KE
         )
         if model.runner.status == "failed":
             raise APIError(
-                503, f"the model runner failed: {model.runner.error}; it is restarting",
-                "server_error", "runner_unavailable",
+                503,
+                f"the model runner failed: {model.runner.error}; it is restarting",
+                "server_error",
+                "runner_unavailable",
             )
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
@@ -187,20 +196,35 @@ async def _complete(
                     result = message
             group.cancel_scope.cancel()
     except RunnerUnavailable as error:
-        raise APIError(503, f"the model runner is unavailable: {error}", "server_error", "runner_unavailable") from error
+        raise APIError(
+            503, f"the model runner is unavailable: {error}", "server_error", "runner_unavailable"
+        ) from error
     if isinstance(result, Finished):
         return ChatCompletion(
             id=completion_id,
             model=model.model_id,
-            choices=[Choice(message=AssistantMessage(content="".join(parts)), finish_reason=result.finish_reason)],
+            choices=[
+                Choice(
+                    message=AssistantMessage(content="".join(parts)),
+                    finish_reason=result.finish_reason,
+                )
+            ],
             usage=_usage(result.usage),
         )
-    reason = result.error if isinstance(result, TaskFailed) else "the runner ended the task without a result"
+    reason = (
+        result.error
+        if isinstance(result, TaskFailed)
+        else "the runner ended the task without a result"
+    )
     raise APIError(500, f"generation failed: {reason}", "server_error", "generation_failed")
 
 
 async def _stream(
-    model: ServedModel, task: Generate, completion_id: str, include_usage: bool, keepalive_seconds: float
+    model: ServedModel,
+    task: Generate,
+    completion_id: str,
+    include_usage: bool,
+    keepalive_seconds: float,
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
@@ -211,7 +235,7 @@ async def _stream(
                 created=created,
                 model=model.model_id,
                 choices=[ChunkChoice(delta=delta, finish_reason=finish_reason)],
-            ).model_dump(exclude_none=False)
+            ).model_dump()
         )
 
     try:
@@ -242,8 +266,18 @@ async def _stream(
                         )
                     break
                 elif isinstance(message, TaskFailed):
-                    yield _sse(error_body(f"generation failed: {message.error}", "server_error", "generation_failed"))
+                    yield _sse(
+                        error_body(
+                            f"generation failed: {message.error}",
+                            "server_error",
+                            "generation_failed",
+                        )
+                    )
                     break
     except RunnerUnavailable as error:
-        yield _sse(error_body(f"the model runner is unavailable: {error}", "server_error", "runner_unavailable"))
+        yield _sse(
+            error_body(
+                f"the model runner is unavailable: {error}", "server_error", "runner_unavailable"
+            )
+        )
     yield _sse("[DONE]")

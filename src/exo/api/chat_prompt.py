@@ -25,12 +25,17 @@ def _template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
-def _encode(tokenizer: TokenizerWrapper, messages: list[dict[str, Any]], generation: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=generation, tokenize=False
-    )
+def _encode(
+    tokenizer: TokenizerWrapper, messages: list[dict[str, Any]], generation: bool
+) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
     assert isinstance(text, str)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def render_chat_prompt(tokenizer: TokenizerWrapper, messages: Sequence[ChatMessage]) -> ChatPrompt:
@@ -40,8 +45,9 @@ def render_chat_prompt(tokenizer: TokenizerWrapper, messages: Sequence[ChatMessa
     while leading < len(templated) and templated[leading]["role"] == "system":
         leading += 1
     system_length = 0
-    if leading:
-        system_tokens = _encode(tokenizer, templated[:leading], generation=False)
-        if tokens[: len(system_tokens)] == system_tokens:
-            system_length = len(system_tokens)
+    if 0 < leading < len(templated):
+        # Every conversation with this system prompt shares its tokens plus the
+        # next message's header; render that message empty to find where it ends.
+        header_only = [*templated[:leading], {**templated[leading], "content": ""}]
+        system_length = _common_prefix_length(tokens, _encode(tokenizer, header_only, False))
     return ChatPrompt(tokens=tokens, system_prompt_length=system_length)

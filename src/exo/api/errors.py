@@ -10,7 +10,12 @@ from exo.api.openai_types import error_body
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, error_type: str, code: str | None = None, param: str | None = None
+        self,
+        status: int,
+        message: str,
+        error_type: str,
+        code: str | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -23,7 +28,10 @@ class APIError(Exception):
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
     first = error.errors()[0] if error.errors() else {}
     if first.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None
+        return (
+            f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
+            None,
+        )
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     message = str(first.get("msg", "invalid request"))

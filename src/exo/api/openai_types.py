@@ -3,7 +3,15 @@
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 
 class TextPart(BaseModel):
@@ -101,6 +109,11 @@ class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
 
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI sends only the fields a delta carries.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
 
 class ChunkChoice(BaseModel):
     index: int = 0
@@ -132,5 +145,7 @@ class ModelList(BaseModel):
     data: list[ModelObject]
 
 
-def error_body(message: str, error_type: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, error_type: str, code: str | None, param: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "code": code, "param": param}}

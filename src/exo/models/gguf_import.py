@@ -72,9 +72,7 @@ def _unpermute_rope_rows(array: mx.array, n_heads: int) -> mx.array:
     rows = array.shape[0]
     rest = array.shape[1:]
     head_dim = rows // n_heads
-    return (
-        array.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
-    )
+    return array.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
 def convert_tensors(
@@ -132,9 +130,7 @@ def build_config(
         # The most common setting is the default; others are per-module overrides.
         settings = [json.dumps(q, sort_keys=True) for q in quantization.values()]
         default = json.loads(max(set(settings), key=settings.count))
-        per_module: dict[str, Any] = {
-            m: q for m, q in quantization.items() if q != default
-        }
+        per_module: dict[str, Any] = {m: q for m, q in quantization.items() if q != default}
         for name in weights:
             module, _, part = name.rpartition(".")
             if part == "weight" and module not in quantization and weights[name].ndim == 2:
@@ -219,7 +215,9 @@ def build_tokenizer_files(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[st
 
 def _file_digest(path: Path) -> str:
     stat = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return hashlib.sha256(
+        f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()
 
 
 def is_imported(model_dir: Path, gguf_path: Path) -> bool:
@@ -240,8 +238,8 @@ def import_gguf(gguf_path: Path, model_dir: Path) -> Path:
     if not gguf_path.is_file():
         raise GGUFImportError(f"GGUF file not found: {gguf_path}")
     logger.info(f"importing {gguf_path.name} into {model_dir}")
-    tensors, meta = mx.load(str(gguf_path), return_metadata=True)
-    assert isinstance(tensors, dict)
+    tensors, meta = mx.load(str(gguf_path), return_metadata=True)  # pyright: ignore[reportGeneralTypeIssues]
+    assert isinstance(tensors, dict) and isinstance(meta, dict)
     n_heads = int(_scalar(meta, "llama.attention.head_count"))
     n_kv_heads = int(_scalar(meta, "llama.attention.head_count_kv") or n_heads)
     weights, quantization = convert_tensors(tensors, n_heads, n_kv_heads)

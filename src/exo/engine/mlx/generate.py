@@ -65,7 +65,7 @@ class TextGenerator:
             if is_cancelled():
                 raise GenerationCancelled
             chunk = tokens[done : min(done + self.prefill_step_tokens, total)]
-            self.model(mx.array(chunk)[None], cache=layers)
+            self.model(mx.array(list(chunk))[None], cache=layers)
             mx.eval([layer.state for layer in layers])
             done += len(chunk)
             on_progress(done, total)
@@ -95,7 +95,7 @@ class TextGenerator:
         hit_stop_string = False
         produced = 0
         steps = generate_step(
-            mx.array(tokens[-1:]),
+            mx.array(list(tokens[-1:])),
             self.model,
             max_tokens=params.max_tokens,
             sampler=sampler,

@@ -94,6 +94,10 @@ def choose_evictions(
     """Least recently used first, until within budget (or, under memory pressure,
     everything but `keep`)."""
     total = sum(e.nbytes for e in entries.values())
+    # An entry that alone exceeds the budget is dropped, without evicting others for it.
+    oversized = keep if keep in entries and entries[keep].nbytes > byte_budget else None
+    if oversized is not None:
+        total -= entries[oversized].nbytes
     victims: list[int] = []
     for entry_id in sorted(entries, key=lambda i: entries[i].last_used):
         if entry_id == keep:
@@ -102,8 +106,8 @@ def choose_evictions(
             break
         victims.append(entry_id)
         total -= entries[entry_id].nbytes
-    if keep is not None and keep in entries and total > byte_budget:
-        victims.append(keep)  # the new entry alone does not fit
+    if oversized is not None:
+        victims.append(oversized)
     return victims
 
 
@@ -144,9 +148,10 @@ class KVPrefixCache:
         if shared > 0 and trimmable:
             best_id = max(trimmable, key=lambda i: self._entries[i].last_used)
             best = shared
-        # Non-trimmable entries: only a snapshot ending at or below the match point.
+        # Any entry ending at or below the match point is usable whole (no trim needed);
+        # the only option for non-trimmable entries.
         for length, entry_id in found.endings:
-            if length <= limit and length > best and not self._entries[entry_id].trimmable:
+            if length <= limit and length > best:
                 best_id, best = entry_id, length
 
         self._stats.lookups += 1
@@ -220,9 +225,7 @@ class KVPrefixCache:
         return entry_id if entry_id in self._entries else None
 
     def _evict(self, keep: int | None) -> None:
-        victims = choose_evictions(
-            self._entries, self.byte_budget, self._memory_pressure(), keep
-        )
+        victims = choose_evictions(self._entries, self.byte_budget, self._memory_pressure(), keep)
         for entry_id in victims:
             entry = self._entries.pop(entry_id)
             self._trie.remove(entry_id, entry.tokens)

@@ -37,9 +37,7 @@ def openblas_library() -> Path | None:
 
 def _gfortran_shim_dir(cache_dir: Path) -> Path | None:
     """A directory holding `libgfortran.so.5` (and its libquadmath) from the mlx-cpu wheel."""
-    gfortran = _package_file(
-        "mlx-cpu", lambda n: n.startswith("libgfortran-") and ".so" in n
-    )
+    gfortran = _package_file("mlx-cpu", lambda n: n.startswith("libgfortran-") and ".so" in n)
     if gfortran is None:
         return None
     shim = cache_dir / "blas-libs"

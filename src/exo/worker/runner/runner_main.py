@@ -134,7 +134,9 @@ class Runner:
                 self.send(TaskFailed(task_id=task.task_id, error="cancelled", cancelled=True))
             except Exception as error:  # a bad request must not kill the runner
                 logger.exception(f"task {task.task_id} failed")
-                self.send(TaskFailed(task_id=task.task_id, error=f"{type(error).__name__}: {error}"))
+                self.send(
+                    TaskFailed(task_id=task.task_id, error=f"{type(error).__name__}: {error}")
+                )
             finally:
                 self._cancelled.discard(task.task_id)
             self.send(StatusChanged(status="ready"))

@@ -7,7 +7,7 @@ runner is started again after a back-off.
 
 import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
 import anyio
@@ -150,10 +150,8 @@ class RunnerSupervisor:
 
     def _fail_all(self, reason: str) -> None:
         for task_id, stream in list(self._tasks.items()):
-            try:
+            with suppress(anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 stream.send_nowait(TaskFailed(task_id=task_id, error=f"runner failed: {reason}"))
-            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
             stream.close()
         self._tasks.clear()
 
@@ -182,13 +180,9 @@ class RunnerSupervisor:
             if self._tasks.pop(request.task_id, None) is not None:
                 send.close()
                 with anyio.CancelScope(shield=True):
-                    try:
+                    with suppress(RunnerUnavailable, anyio.BrokenResourceError, OSError):
                         await self._send(Cancel(task_id=request.task_id))
-                    except (RunnerUnavailable, anyio.BrokenResourceError, OSError):
-                        pass
 
     async def shutdown(self) -> None:
-        try:
+        with suppress(RunnerUnavailable, anyio.BrokenResourceError, OSError):
             await self._send(Shutdown())
-        except (RunnerUnavailable, anyio.BrokenResourceError, OSError):
-            pass

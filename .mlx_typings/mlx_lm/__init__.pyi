@@ -1,0 +1,1 @@
+from mlx_lm.generate import stream_generate as stream_generate

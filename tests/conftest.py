@@ -1,0 +1,25 @@
+from pathlib import Path
+
+import pytest
+
+from exo.models.builtin import DEFAULT_MODEL_ID, ensure_default_model
+from exo.models.store import model_dir
+from tests.model_factory import make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models directory holding the imported built-in model (imported once per run)."""
+    path = tmp_path_factory.mktemp("models")
+    ensure_default_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm_dir(models_dir: Path) -> Path:
+    return model_dir(models_dir, DEFAULT_MODEL_ID)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", smollm_dir)

@@ -1,0 +1,219 @@
+"""End to end: a real `exo` process driven by the official `openai` client and raw HTTP."""
+
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from exo.models.builtin import DEFAULT_MODEL_ID
+from tests.e2e.node_process import NodeProcess, running_node
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def client(node: NodeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{node.base_url}/v1", api_key="unused", timeout=120)
+
+
+def test_models_lists_the_builtin_model(node: NodeProcess) -> None:
+    models = client(node).models.list()
+    assert [m.id for m in models.data] == [DEFAULT_MODEL_ID]
+
+
+def test_chat_completion_answers(node: NodeProcess) -> None:
+    reply = client(node).chat.completions.create(
+        model=DEFAULT_MODEL_ID, messages=QUESTION, temperature=0, max_tokens=30  # type: ignore[arg-type]
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage is not None and reply.usage.prompt_tokens > 10
+    assert reply.usage.completion_tokens > 0
+
+
+def test_streaming_chat_completion_answers_with_usage(node: NodeProcess) -> None:
+    stream = client(node).chat.completions.create(
+        model=DEFAULT_MODEL_ID,
+        messages=QUESTION,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=30,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert "Paris" in text
+    assert finish == "stop"
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_stop_sequence_ends_the_answer_before_it(node: NodeProcess) -> None:
+    reply = client(node).chat.completions.create(
+        model=DEFAULT_MODEL_ID, messages=QUESTION, temperature=0, max_tokens=30, stop=["Paris"]  # type: ignore[arg-type]
+    )
+    content = reply.choices[0].message.content or ""
+    assert "Paris" not in content
+    assert content.startswith("The capital of France is")
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_limits_the_answer(node: NodeProcess) -> None:
+    reply = client(node).chat.completions.create(
+        model=DEFAULT_MODEL_ID,
+        messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        temperature=0,
+        max_completion_tokens=5,
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 5
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_keepalive_comments_are_sent_while_prefill_runs(node: NodeProcess) -> None:
+    long_prompt = "Summarize: " + " ".join(f"item {i} is blue." for i in range(150))
+    lines: list[str] = []
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [{"role": "user", "content": long_prompt}],
+        "max_tokens": 2,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{node.base_url}/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert ": keep-alive" in lines
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_second_request_reuses_the_prefix_and_matches_a_cold_run(
+    node: NodeProcess, tmp_path: Path, models_dir: Path
+) -> None:
+    system = {"role": "system", "content": "You are a concise geography tutor. Answer in one sentence."}
+    first = [system, {"role": "user", "content": "What is the capital of Italy?"}]
+    reply = client(node).chat.completions.create(
+        model=DEFAULT_MODEL_ID, messages=first, temperature=0, max_tokens=20  # type: ignore[arg-type]
+    )
+    answer = reply.choices[0].message.content or ""
+    second = [
+        *first,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And the capital of Spain?"},
+    ]
+    warm = client(node).chat.completions.create(
+        model=DEFAULT_MODEL_ID, messages=second, temperature=0, max_tokens=20  # type: ignore[arg-type]
+    )
+    assert warm.usage is not None and warm.usage.prompt_tokens_details is not None
+    cached = warm.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached > 0
+    assert reply.usage is not None and cached >= reply.usage.prompt_tokens - 1
+
+    with running_node(tmp_path, models_dir, "--prefix-cache-bytes", "0") as cold_node:
+        cold = client(cold_node).chat.completions.create(
+            model=DEFAULT_MODEL_ID, messages=second, temperature=0, max_tokens=20  # type: ignore[arg-type]
+        )
+    assert cold.usage is not None and cold.usage.prompt_tokens_details is not None
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+
+    stats = httpx.get(f"{node.base_url}/v1/cache/stats", timeout=5).json()["data"][0]
+    assert stats["hits_partial"] + stats["hits_exact"] >= 1
+    assert stats["entries"] >= 1 and stats["bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "no-such-model", "messages": QUESTION}, 404, "model_not_found"),
+        ({"model": DEFAULT_MODEL_ID, "messages": []}, 400, "invalid_request"),
+        ({"model": DEFAULT_MODEL_ID}, 400, "invalid_request"),
+        ({"model": DEFAULT_MODEL_ID, "messages": QUESTION, "temperature": 5}, 400, "invalid_request"),
+        ({"model": DEFAULT_MODEL_ID, "messages": QUESTION, "max_tokens": 0}, 400, "invalid_request"),
+        ({"model": DEFAULT_MODEL_ID, "messages": QUESTION, "top_p": 0}, 400, "invalid_request"),
+        ({"model": DEFAULT_MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_request"),
+        (
+            {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "word " * 9000}]},
+            400,
+            "context_length_exceeded",
+        ),
+    ],
+)
+def test_bad_requests_get_openai_style_errors(
+    node: NodeProcess, body: dict, status: int, code: str
+) -> None:
+    r = httpx.post(f"{node.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert error["code"] == code
+    assert error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_invalid_json_is_a_400(node: NodeProcess) -> None:
+    r = httpx.post(
+        f"{node.base_url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},
+        timeout=10,
+    )
+    assert r.status_code == 400
+    assert "JSON" in r.json()["error"]["message"]
+
+
+def _runner_process(node: NodeProcess) -> psutil.Process:
+    children = psutil.Process(node.process.pid).children(recursive=True)
+    runners = [c for c in children if "exo.worker.runner.runner_main" in " ".join(c.cmdline())]
+    assert len(runners) == 1
+    return runners[0]
+
+
+def test_client_disconnect_cancels_generation(node: NodeProcess) -> None:
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": 4000,
+        "temperature": 0.8,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{node.base_url}/v1/chat/completions", json=body, timeout=60) as r:
+        content_lines = 0
+        for line in r.iter_lines():
+            content_lines += line.startswith("data:")
+            if content_lines >= 4:
+                break
+    # 4000 tokens would take minutes; a cancelled task frees the runner at once.
+    node.wait_for_runner("ready", timeout=10)
+
+
+def test_runner_crash_fails_the_request_and_the_node_recovers(node: NodeProcess) -> None:
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": 4000,
+        "stream": True,
+    }
+    lines: list[str] = []
+    started = time.monotonic()
+    killed = False
+    with httpx.stream("POST", f"{node.base_url}/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+            if not killed and sum(x.startswith("data:") for x in lines) >= 3:
+                _runner_process(node).kill()
+                killed = True
+    assert time.monotonic() - started < 30
+    assert any('"generation_failed"' in line and "runner failed" in line for line in lines)
+    assert [line for line in lines if line][-1] == "data: [DONE]"
+    node.wait_for_runner("ready", timeout=120)
+    reply = client(node).chat.completions.create(
+        model=DEFAULT_MODEL_ID, messages=QUESTION, temperature=0, max_tokens=30  # type: ignore[arg-type]
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert node.health()["runners"][DEFAULT_MODEL_ID]["restarts"] >= 1
