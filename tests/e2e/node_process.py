@@ -68,7 +68,9 @@ def running_node(
         *extra_args,
     ]  # fmt: skip
     with log_path.open("wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()
+        )
     node = NodeProcess(process, f"http://127.0.0.1:{port}", log_path)
     try:
         node.wait_for_runner("ready")

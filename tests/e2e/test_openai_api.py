@@ -27,7 +27,10 @@ def test_models_lists_the_builtin_model(node: NodeProcess) -> None:
 
 def test_chat_completion_answers(node: NodeProcess) -> None:
     reply = client(node).chat.completions.create(
-        model=DEFAULT_MODEL_ID, messages=QUESTION, temperature=0, max_tokens=30  # type: ignore[arg-type]
+        model=DEFAULT_MODEL_ID,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=30,  # type: ignore[arg-type]
     )
     assert "Paris" in (reply.choices[0].message.content or "")
     assert reply.choices[0].finish_reason in ("stop", "length")
@@ -58,7 +61,11 @@ def test_streaming_chat_completion_answers_with_usage(node: NodeProcess) -> None
 
 def test_stop_sequence_ends_the_answer_before_it(node: NodeProcess) -> None:
     reply = client(node).chat.completions.create(
-        model=DEFAULT_MODEL_ID, messages=QUESTION, temperature=0, max_tokens=30, stop=["Paris"]  # type: ignore[arg-type]
+        model=DEFAULT_MODEL_ID,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=30,
+        stop=["Paris"],  # type: ignore[arg-type]
     )
     content = reply.choices[0].message.content or ""
     assert "Paris" not in content
@@ -96,10 +103,16 @@ def test_keepalive_comments_are_sent_while_prefill_runs(node: NodeProcess) -> No
 def test_second_request_reuses_the_prefix_and_matches_a_cold_run(
     node: NodeProcess, tmp_path: Path, models_dir: Path
 ) -> None:
-    system = {"role": "system", "content": "You are a concise geography tutor. Answer in one sentence."}
+    system = {
+        "role": "system",
+        "content": "You are a concise geography tutor. Answer in one sentence.",
+    }
     first = [system, {"role": "user", "content": "What is the capital of Italy?"}]
     reply = client(node).chat.completions.create(
-        model=DEFAULT_MODEL_ID, messages=first, temperature=0, max_tokens=20  # type: ignore[arg-type]
+        model=DEFAULT_MODEL_ID,
+        messages=first,
+        temperature=0,
+        max_tokens=20,  # type: ignore[arg-type]
     )
     answer = reply.choices[0].message.content or ""
     second = [
@@ -108,7 +121,10 @@ def test_second_request_reuses_the_prefix_and_matches_a_cold_run(
         {"role": "user", "content": "And the capital of Spain?"},
     ]
     warm = client(node).chat.completions.create(
-        model=DEFAULT_MODEL_ID, messages=second, temperature=0, max_tokens=20  # type: ignore[arg-type]
+        model=DEFAULT_MODEL_ID,
+        messages=second,
+        temperature=0,
+        max_tokens=20,  # type: ignore[arg-type]
     )
     assert warm.usage is not None and warm.usage.prompt_tokens_details is not None
     cached = warm.usage.prompt_tokens_details.cached_tokens or 0
@@ -117,7 +133,10 @@ def test_second_request_reuses_the_prefix_and_matches_a_cold_run(
 
     with running_node(tmp_path, models_dir, "--prefix-cache-bytes", "0") as cold_node:
         cold = client(cold_node).chat.completions.create(
-            model=DEFAULT_MODEL_ID, messages=second, temperature=0, max_tokens=20  # type: ignore[arg-type]
+            model=DEFAULT_MODEL_ID,
+            messages=second,
+            temperature=0,
+            max_tokens=20,  # type: ignore[arg-type]
         )
     assert cold.usage is not None and cold.usage.prompt_tokens_details is not None
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
@@ -134,10 +153,22 @@ def test_second_request_reuses_the_prefix_and_matches_a_cold_run(
         ({"model": "no-such-model", "messages": QUESTION}, 404, "model_not_found"),
         ({"model": DEFAULT_MODEL_ID, "messages": []}, 400, "invalid_request"),
         ({"model": DEFAULT_MODEL_ID}, 400, "invalid_request"),
-        ({"model": DEFAULT_MODEL_ID, "messages": QUESTION, "temperature": 5}, 400, "invalid_request"),
-        ({"model": DEFAULT_MODEL_ID, "messages": QUESTION, "max_tokens": 0}, 400, "invalid_request"),
+        (
+            {"model": DEFAULT_MODEL_ID, "messages": QUESTION, "temperature": 5},
+            400,
+            "invalid_request",
+        ),
+        (
+            {"model": DEFAULT_MODEL_ID, "messages": QUESTION, "max_tokens": 0},
+            400,
+            "invalid_request",
+        ),
         ({"model": DEFAULT_MODEL_ID, "messages": QUESTION, "top_p": 0}, 400, "invalid_request"),
-        ({"model": DEFAULT_MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_request"),
+        (
+            {"model": DEFAULT_MODEL_ID, "messages": [{"role": "wizard", "content": "hi"}]},
+            400,
+            "invalid_request",
+        ),
         (
             {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "word " * 9000}]},
             400,
@@ -192,6 +223,18 @@ def test_client_disconnect_cancels_generation(node: NodeProcess) -> None:
     node.wait_for_runner("ready", timeout=10)
 
 
+def test_disconnect_cancels_a_non_streaming_request(node: NodeProcess) -> None:
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": 4000,
+        "temperature": 0.8,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{node.base_url}/v1/chat/completions", json=body, timeout=3)
+    node.wait_for_runner("ready", timeout=10)
+
+
 def test_runner_crash_fails_the_request_and_the_node_recovers(node: NodeProcess) -> None:
     body = {
         "model": DEFAULT_MODEL_ID,
@@ -213,7 +256,10 @@ def test_runner_crash_fails_the_request_and_the_node_recovers(node: NodeProcess)
     assert [line for line in lines if line][-1] == "data: [DONE]"
     node.wait_for_runner("ready", timeout=120)
     reply = client(node).chat.completions.create(
-        model=DEFAULT_MODEL_ID, messages=QUESTION, temperature=0, max_tokens=30  # type: ignore[arg-type]
+        model=DEFAULT_MODEL_ID,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=30,  # type: ignore[arg-type]
     )
     assert "Paris" in (reply.choices[0].message.content or "")
     assert node.health()["runners"][DEFAULT_MODEL_ID]["restarts"] >= 1

@@ -38,7 +38,9 @@ def test_system_prompt_length_is_what_two_conversations_share(tokenizer: Tokeniz
 
 
 def test_text_parts_and_developer_role(tokenizer: TokenizerWrapper) -> None:
-    parts = ChatMessage(role="user", content=[TextPart(type="text", text="Hel"), TextPart(type="text", text="lo")])
+    parts = ChatMessage(
+        role="user", content=[TextPart(type="text", text="Hel"), TextPart(type="text", text="lo")]
+    )
     as_parts = render_chat_prompt(tokenizer, [msg("developer", "Be brief."), parts])
     as_text = render_chat_prompt(tokenizer, [msg("system", "Be brief."), msg("user", "Hello")])
     assert as_parts.tokens == as_text.tokens

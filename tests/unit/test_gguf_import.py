@@ -63,7 +63,11 @@ def test_digits_are_split_one_by_one(smollm_dir: Path) -> None:
 
 def test_control_tokens_are_special(smollm_dir: Path) -> None:
     tokenizer = load_tokenizer(smollm_dir)
-    assert tokenizer.encode("<|im_start|><|im_end|><|endoftext|>", add_special_tokens=False) == [1, 2, 0]
+    assert tokenizer.encode("<|im_start|><|im_end|><|endoftext|>", add_special_tokens=False) == [
+        1,
+        2,
+        0,
+    ]
     assert tokenizer.decode([1, 2, 0], skip_special_tokens=True) == ""
     assert tokenizer.eos_token_id == 2
     config = json.loads((smollm_dir / "tokenizer_config.json").read_text())
@@ -118,7 +122,16 @@ def test_interrupted_import_is_redone(tmp_path: Path) -> None:
 
 
 def test_cli_import_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    main(["import-gguf", str(builtin_gguf_path()), "--model-id", "me/smol", "--models-dir", str(tmp_path)])
+    main(
+        [
+            "import-gguf",
+            str(builtin_gguf_path()),
+            "--model-id",
+            "me/smol",
+            "--models-dir",
+            str(tmp_path),
+        ]
+    )
     folder = tmp_path / "me--smol"
     assert capsys.readouterr().out.strip() == str(folder)
     weights = mx.load(str(folder / "model.safetensors"))
@@ -129,12 +142,30 @@ def test_cli_import_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 @pytest.mark.parametrize("model_id", ["../escape", "/abs/path", "a/b/c", "bad id"])
 def test_cli_rejects_bad_model_ids(tmp_path: Path, model_id: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["import-gguf", str(builtin_gguf_path()), "--model-id", model_id, "--models-dir", str(tmp_path)])
+        main(
+            [
+                "import-gguf",
+                str(builtin_gguf_path()),
+                "--model-id",
+                model_id,
+                "--models-dir",
+                str(tmp_path),
+            ]
+        )
     assert exit_info.value.code == 2
     assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_reports_a_missing_file(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["import-gguf", str(tmp_path / "nope.gguf"), "--model-id", "x", "--models-dir", str(tmp_path)])
+        main(
+            [
+                "import-gguf",
+                str(tmp_path / "nope.gguf"),
+                "--model-id",
+                "x",
+                "--models-dir",
+                str(tmp_path),
+            ]
+        )
     assert exit_info.value.code == 2

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -38,6 +39,9 @@ DEFAULT_MAX_TOKENS = 1024
 DEFAULT_TEMPERATURE = 0.7
 KEEPALIVE_SECONDS = 10.0
 DISCONNECT_POLL_SECONDS = 0.5
+# A runner reports prefill progress per chunk and every token, so this much
+# silence means it is stuck; the request fails instead of waiting forever.
+RUNNER_SILENCE_SECONDS = 300.0
 
 
 @dataclass
@@ -186,14 +190,23 @@ async def _complete(
             await anyio.sleep(DISCONNECT_POLL_SECONDS)
         scope.cancel()
 
-    try:
-        async with anyio.create_task_group() as group, model.runner.generate(task) as messages:
-            group.start_soon(watch_disconnect, group.cancel_scope)
-            async for message in messages:
+    async def collect(messages: MemoryObjectReceiveStream[TaskMessage]) -> None:
+        nonlocal result
+        try:
+            while result is None:
+                with anyio.fail_after(RUNNER_SILENCE_SECONDS):
+                    message = await messages.receive()
                 if isinstance(message, Chunk):
                     parts.append(message.text)
                 elif isinstance(message, Finished | TaskFailed):
                     result = message
+        except (anyio.EndOfStream, TimeoutError):
+            pass  # reported below as a failed generation
+
+    try:
+        async with model.runner.generate(task) as messages, anyio.create_task_group() as group:
+            group.start_soon(watch_disconnect, group.cancel_scope)
+            await collect(messages)
             group.cancel_scope.cancel()
     except RunnerUnavailable as error:
         raise APIError(
@@ -214,7 +227,7 @@ async def _complete(
     reason = (
         result.error
         if isinstance(result, TaskFailed)
-        else "the runner ended the task without a result"
+        else "the runner stopped responding or ended the task without a result"
     )
     raise APIError(500, f"generation failed: {reason}", "server_error", "generation_failed")
 
@@ -241,6 +254,7 @@ async def _stream(
     try:
         async with model.runner.generate(task) as messages:
             yield chunk(Delta(role="assistant", content=""))
+            last_heard = time.monotonic()
             while True:
                 message: TaskMessage | None = None
                 with anyio.move_on_after(keepalive_seconds):
@@ -248,6 +262,17 @@ async def _stream(
                         message = await messages.receive()
                     except anyio.EndOfStream:
                         break
+                if message is not None:
+                    last_heard = time.monotonic()
+                elif time.monotonic() - last_heard > RUNNER_SILENCE_SECONDS:
+                    yield _sse(
+                        error_body(
+                            "generation failed: the runner stopped responding",
+                            "server_error",
+                            "generation_failed",
+                        )
+                    )
+                    break
                 if message is None:
                     yield ": keep-alive\n\n"  # SSE comment: keeps clients waiting through prefill
                 elif isinstance(message, Chunk):
