@@ -12,7 +12,7 @@ from mlx_lm.utils import load_tokenizer
 
 from exo.api.app import ServedModel, create_app
 from exo.models.builtin import DEFAULT_MODEL_ID, ensure_default_model
-from exo.models.store import context_length, model_dir
+from exo.models.store import context_length, model_dir, sampling_defaults
 from exo.shared.types.ids import ModelId
 from exo.worker.runner.supervisor import RunnerSupervisor
 
@@ -81,12 +81,15 @@ async def run_node(config: NodeConfig) -> None:
     runner = RunnerSupervisor(
         config.model_id, path, config.prefix_cache_bytes, config.data_dir / "cache"
     )
+    temperature, top_p = sampling_defaults(path)
     served = ServedModel(
         model_id=config.model_id,
         tokenizer=tokenizer,
         context_length=context_length(path),
         runner=runner,
         created=int(time.time()),
+        default_temperature=temperature,
+        default_top_p=top_p,
     )
     app = create_app({config.model_id: served}, config.sse_keepalive_seconds)
     server = uvicorn.Server(

@@ -9,8 +9,9 @@ from exo.engine.mlx.generate import TextDelta, TextGenerator
 from exo.engine.mlx.load import load_for_inference
 from exo.main import main
 from exo.models import gguf_import
-from exo.models.builtin import builtin_gguf_path
+from exo.models.builtin import builtin_gguf_path, ensure_default_model
 from exo.models.gguf_import import IMPORT_MARKER, import_gguf
+from exo.models.store import sampling_defaults
 from exo.shared.types.tasks import GenerationParams
 
 
@@ -92,11 +93,15 @@ def test_imported_model_answers_correctly(smollm_dir: Path) -> None:
     assert "Paris" in text
 
 
-def test_import_is_idempotent(smollm_dir: Path) -> None:
+def test_import_is_idempotent(models_dir: Path, smollm_dir: Path) -> None:
     weights = smollm_dir / "model.safetensors"
     before = weights.stat().st_mtime_ns
-    assert import_gguf(builtin_gguf_path(), smollm_dir) == smollm_dir
+    assert ensure_default_model(models_dir) == smollm_dir
     assert weights.stat().st_mtime_ns == before
+
+
+def test_builtin_model_has_sampling_defaults(smollm_dir: Path) -> None:
+    assert sampling_defaults(smollm_dir) == (0.2, 0.9)
 
 
 def test_failed_import_leaves_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

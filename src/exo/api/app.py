@@ -36,7 +36,6 @@ from exo.worker.runner.protocol import Chunk, Finished, Generate, TaskFailed, Ta
 from exo.worker.runner.supervisor import RunnerSupervisor, RunnerUnavailable
 
 DEFAULT_MAX_TOKENS = 1024
-DEFAULT_TEMPERATURE = 0.7
 KEEPALIVE_SECONDS = 10.0
 DISCONNECT_POLL_SECONDS = 0.5
 # A runner reports prefill progress per chunk and every token, so this much
@@ -51,6 +50,8 @@ class ServedModel:
     context_length: int
     runner: RunnerSupervisor
     created: int
+    default_temperature: float = 1.0
+    default_top_p: float = 1.0
 
 
 def _usage(usage: Usage) -> CompletionUsage:
@@ -148,8 +149,8 @@ def create_app(
         requested = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
         params = GenerationParams(
             max_tokens=min(requested, room),
-            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
+            temperature=model.default_temperature if body.temperature is None else body.temperature,
+            top_p=model.default_top_p if body.top_p is None else body.top_p,
             seed=body.seed,
             stop=body.stop_sequences(),
         )

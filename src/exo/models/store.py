@@ -42,3 +42,10 @@ def model_dir(models_dir: Path, model_id: ModelId) -> Path:
 def context_length(model_path: Path) -> int:
     config = json.loads((model_path / "config.json").read_text())
     return int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+
+
+def sampling_defaults(model_path: Path) -> tuple[float, float]:
+    """(temperature, top_p) from `generation_config.json`, else OpenAI's defaults."""
+    path = model_path / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    return float(config.get("temperature", 1.0)), float(config.get("top_p", 1.0))
