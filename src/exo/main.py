@@ -4,28 +4,32 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
 import anyio
 import psutil
 from loguru import logger
 
+from exo.api.app import KEEPALIVE_SECONDS
 from exo.models.builtin import DEFAULT_MODEL_ID
-from exo.models.store import (
-    InvalidModelId,
-    default_data_dir,
-    default_models_dir,
-    model_dir,
-    validate_model_id,
-)
+from exo.models.store import InvalidModelId, default_data_dir, model_dir, validate_model_id
 from exo.node import NodeConfig, NodeStartupError, run_node
 
 DEFAULT_API_PORT = 52415
 # Share of RAM the prefix cache may hold by default.
 DEFAULT_PREFIX_CACHE_FRACTION = 0.2
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name, default)
+def _flag(
+    parser: argparse.ArgumentParser, flag: str, env: str, default: Any, help: str, **kw: Any
+) -> None:
+    """A flag whose default comes from `env` when set. argparse converts (and
+    reports bad values of) string defaults with the flag's `type` like any input."""
+    shown = "" if default is None else f"; default {default}"
+    parser.add_argument(
+        flag, default=os.environ.get(env, default), help=f"{help} ({env}{shown})", **kw
+    )
 
 
 def _node_parser() -> argparse.ArgumentParser:
@@ -35,54 +39,57 @@ def _node_parser() -> argparse.ArgumentParser:
         "Every flag has an EXO_* environment variable equivalent.",
         epilog="Other commands: 'exo import-gguf PATH --model-id ID' imports a llama GGUF file.",
     )
-    parser.add_argument(
+    _flag(
+        parser,
         "--host",
-        default=_env("EXO_HOST", "0.0.0.0"),
-        help="address the API binds to (EXO_HOST; default 0.0.0.0)",
+        "EXO_HOST",
+        "0.0.0.0",
+        "address the API binds to; the API has no authentication, use 127.0.0.1 to keep it local",
     )
-    parser.add_argument(
-        "--api-port",
-        type=int,
-        default=int(_env("EXO_API_PORT", str(DEFAULT_API_PORT))),
-        help=f"HTTP API port (EXO_API_PORT; default {DEFAULT_API_PORT})",
-    )
-    parser.add_argument(
+    _flag(parser, "--api-port", "EXO_API_PORT", str(DEFAULT_API_PORT), "HTTP API port", type=int)
+    _flag(
+        parser,
         "--data-dir",
+        "EXO_DATA_DIR",
+        str(default_data_dir()),
+        "where the node keeps its state",
         type=Path,
-        default=Path(_env("EXO_DATA_DIR", str(default_data_dir()))),
-        help="where the node keeps its state (EXO_DATA_DIR)",
     )
-    parser.add_argument(
+    _flag(
+        parser,
         "--models-dir",
+        "EXO_MODELS_DIR",
+        None,
+        "where models live, one folder each (default: DATA_DIR/models)",
         type=Path,
-        default=default_models_dir(),
-        help="where models live, one folder each (EXO_MODELS_DIR)",
     )
-    parser.add_argument(
-        "--model",
-        default=_env("EXO_MODEL", DEFAULT_MODEL_ID),
-        help=f"model id to serve (EXO_MODEL; default the built-in {DEFAULT_MODEL_ID})",
-    )
-    parser.add_argument(
+    _flag(parser, "--model", "EXO_MODEL", DEFAULT_MODEL_ID, "model id to serve")
+    _flag(
+        parser,
         "--prefix-cache-bytes",
+        "EXO_PREFIX_CACHE_BYTES",
+        None,
+        f"KV prefix cache budget in bytes, 0 disables it (default {DEFAULT_PREFIX_CACHE_FRACTION * 100:.0f}%% of RAM)",
         type=int,
-        default=int(_env("EXO_PREFIX_CACHE_BYTES", "-1")),
-        help="byte budget of the KV prefix cache; 0 disables it "
-        f"(EXO_PREFIX_CACHE_BYTES; default {DEFAULT_PREFIX_CACHE_FRACTION:.0%} of RAM)",
     )
-    parser.add_argument(
+    _flag(
+        parser,
         "--sse-keepalive-seconds",
+        "EXO_SSE_KEEPALIVE_SECONDS",
+        str(KEEPALIVE_SECONDS),
+        "longest silence on a stream before an SSE keep-alive comment, e.g. during a long prefill",
         type=float,
-        default=float(_env("EXO_SSE_KEEPALIVE_SECONDS", "10")),
-        help="seconds between SSE keep-alive comments while a stream waits, e.g. during "
-        "a long prefill (EXO_SSE_KEEPALIVE_SECONDS; default 10)",
     )
-    parser.add_argument(
+    _flag(
+        parser,
         "--log-level",
-        default=_env("EXO_LOG_LEVEL", "INFO"),
-        help="DEBUG, INFO, WARNING or ERROR (EXO_LOG_LEVEL)",
+        "EXO_LOG_LEVEL",
+        "INFO",
+        "log level",
+        type=str.upper,
+        choices=LOG_LEVELS,
     )
-    return parser
+    return parser  # fmt: skip
 
 
 def _import_parser() -> argparse.ArgumentParser:
@@ -94,16 +101,18 @@ def _import_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model-id", required=True, help="id to serve it under, e.g. my-org/my-model"
     )
-    parser.add_argument(
+    _flag(
+        parser,
         "--models-dir",
+        "EXO_MODELS_DIR",
+        str(default_data_dir() / "models"),
+        "where models live",
         type=Path,
-        default=default_models_dir(),
-        help="where models live (EXO_MODELS_DIR)",
     )
-    return parser
+    return parser  # fmt: skip
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     logger.error(message)
     sys.exit(2)
 
@@ -117,7 +126,6 @@ def _import_gguf(argv: list[str]) -> None:
         path = import_gguf(args.path, model_dir(args.models_dir, model_id))
     except (InvalidModelId, GGUFImportError) as error:
         _fail(str(error))
-        return
     logger.info(f"serve it with: exo --model {model_id} --models-dir {args.models_dir}")
     print(path)
 
@@ -129,21 +137,22 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = _node_parser().parse_args(argv)
     logger.remove()
-    logger.add(sys.stderr, level=args.log_level.upper())
-    os.environ["EXO_LOG_LEVEL"] = args.log_level.upper()  # runners log at the same level
+    logger.add(sys.stderr, level=args.log_level)
+    os.environ["EXO_LOG_LEVEL"] = args.log_level  # runners log at the same level
     try:
         model_id = validate_model_id(args.model)
     except InvalidModelId as error:
         _fail(str(error))
-        return
     cache_bytes = args.prefix_cache_bytes
-    if cache_bytes < 0:
+    if cache_bytes is None:
         cache_bytes = int(psutil.virtual_memory().total * DEFAULT_PREFIX_CACHE_FRACTION)
+    if cache_bytes < 0:
+        _fail("--prefix-cache-bytes must be 0 (disabled) or a positive number of bytes")
     config = NodeConfig(
         host=args.host,
         api_port=args.api_port,
         data_dir=args.data_dir,
-        models_dir=args.models_dir,
+        models_dir=args.models_dir or args.data_dir / "models",
         model_id=model_id,
         prefix_cache_bytes=cache_bytes,
         sse_keepalive_seconds=args.sse_keepalive_seconds,

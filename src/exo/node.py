@@ -11,7 +11,8 @@ from loguru import logger
 from mlx_lm.utils import load_tokenizer
 
 from exo.api.app import ServedModel, create_app
-from exo.models.builtin import DEFAULT_MODEL_ID, ensure_default_model
+from exo.models.builtin import DEFAULT_MODEL_ID, BuiltinModelMissing, ensure_default_model
+from exo.models.gguf_import import GGUFImportError
 from exo.models.store import context_length, model_dir, sampling_defaults
 from exo.shared.types.ids import ModelId
 from exo.worker.runner.supervisor import RunnerSupervisor
@@ -31,7 +32,7 @@ class NodeConfig:
     models_dir: Path
     model_id: ModelId
     prefix_cache_bytes: int
-    sse_keepalive_seconds: float = 10.0
+    sse_keepalive_seconds: float
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -53,7 +54,10 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _resolve_model(config: NodeConfig) -> Path:
     if config.model_id == DEFAULT_MODEL_ID:
-        return ensure_default_model(config.models_dir)
+        try:
+            return ensure_default_model(config.models_dir)
+        except (BuiltinModelMissing, GGUFImportError, OSError) as error:
+            raise NodeStartupError(f"cannot prepare the built-in model: {error}") from error
     path = model_dir(config.models_dir, config.model_id)
     if not (path / "config.json").exists():
         raise NodeStartupError(
@@ -109,6 +113,6 @@ async def run_node(config: NodeConfig) -> None:
             await server.serve(sockets=[sock])
         finally:
             logger.info("shutting down")
-            with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            with anyio.CancelScope(shield=True):
                 await runner.shutdown()
             group.cancel_scope.cancel()

@@ -7,13 +7,16 @@ import httpx
 import openai
 import psutil
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from exo.models.builtin import DEFAULT_MODEL_ID
 from tests.e2e.node_process import NodeProcess, running_node
 
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France?"}
+]
 
 
 def client(node: NodeProcess) -> openai.OpenAI:
@@ -30,7 +33,7 @@ def test_chat_completion_answers(node: NodeProcess) -> None:
         model=DEFAULT_MODEL_ID,
         messages=QUESTION,
         temperature=0,
-        max_tokens=30,  # type: ignore[arg-type]
+        max_tokens=30,
     )
     assert "Paris" in (reply.choices[0].message.content or "")
     assert reply.choices[0].finish_reason in ("stop", "length")
@@ -41,7 +44,7 @@ def test_chat_completion_answers(node: NodeProcess) -> None:
 def test_streaming_chat_completion_answers_with_usage(node: NodeProcess) -> None:
     stream = client(node).chat.completions.create(
         model=DEFAULT_MODEL_ID,
-        messages=QUESTION,  # type: ignore[arg-type]
+        messages=QUESTION,
         temperature=0,
         max_tokens=30,
         stream=True,
@@ -65,7 +68,7 @@ def test_stop_sequence_ends_the_answer_before_it(node: NodeProcess) -> None:
         messages=QUESTION,
         temperature=0,
         max_tokens=30,
-        stop=["Paris"],  # type: ignore[arg-type]
+        stop=["Paris"],
     )
     content = reply.choices[0].message.content or ""
     assert "Paris" not in content
@@ -103,19 +106,18 @@ def test_keepalive_comments_are_sent_while_prefill_runs(node: NodeProcess) -> No
 def test_second_request_reuses_the_prefix_and_matches_a_cold_run(
     node: NodeProcess, tmp_path: Path, models_dir: Path
 ) -> None:
-    system = {
-        "role": "system",
-        "content": "You are a concise geography tutor. Answer in one sentence.",
-    }
-    first = [system, {"role": "user", "content": "What is the capital of Italy?"}]
+    first: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "You are a concise geography tutor. Answer in one sentence."},
+        {"role": "user", "content": "What is the capital of Italy?"},
+    ]
     reply = client(node).chat.completions.create(
         model=DEFAULT_MODEL_ID,
         messages=first,
         temperature=0,
-        max_tokens=20,  # type: ignore[arg-type]
+        max_tokens=20,
     )
     answer = reply.choices[0].message.content or ""
-    second = [
+    second: list[ChatCompletionMessageParam] = [
         *first,
         {"role": "assistant", "content": answer},
         {"role": "user", "content": "And the capital of Spain?"},
@@ -124,7 +126,7 @@ def test_second_request_reuses_the_prefix_and_matches_a_cold_run(
         model=DEFAULT_MODEL_ID,
         messages=second,
         temperature=0,
-        max_tokens=20,  # type: ignore[arg-type]
+        max_tokens=20,
     )
     assert warm.usage is not None and warm.usage.prompt_tokens_details is not None
     cached = warm.usage.prompt_tokens_details.cached_tokens or 0
@@ -136,7 +138,7 @@ def test_second_request_reuses_the_prefix_and_matches_a_cold_run(
             model=DEFAULT_MODEL_ID,
             messages=second,
             temperature=0,
-            max_tokens=20,  # type: ignore[arg-type]
+            max_tokens=20,
         )
     assert cold.usage is not None and cold.usage.prompt_tokens_details is not None
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
@@ -259,7 +261,7 @@ def test_runner_crash_fails_the_request_and_the_node_recovers(node: NodeProcess)
         model=DEFAULT_MODEL_ID,
         messages=QUESTION,
         temperature=0,
-        max_tokens=30,  # type: ignore[arg-type]
+        max_tokens=30,
     )
     assert "Paris" in (reply.choices[0].message.content or "")
     assert node.health()["runners"][DEFAULT_MODEL_ID]["restarts"] >= 1

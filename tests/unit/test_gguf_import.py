@@ -10,7 +10,12 @@ from exo.engine.mlx.load import load_for_inference
 from exo.main import main
 from exo.models import gguf_import
 from exo.models.builtin import builtin_gguf_path, ensure_default_model
-from exo.models.gguf_import import IMPORT_MARKER, import_gguf
+from exo.models.gguf_import import (
+    IMPORT_MARKER,
+    GGUFImportError,
+    build_tokenizer_files,
+    import_gguf,
+)
 from exo.models.store import sampling_defaults
 from exo.shared.types.tasks import GenerationParams
 
@@ -116,14 +121,37 @@ def test_failed_import_leaves_no_model(tmp_path: Path, monkeypatch: pytest.Monke
     assert list((tmp_path / "models").iterdir()) == []
 
 
-def test_interrupted_import_is_redone(tmp_path: Path) -> None:
-    """A folder without the completion marker (e.g. copied half-way) is replaced."""
+def test_a_folder_exo_did_not_import_is_never_overwritten(tmp_path: Path) -> None:
     target = tmp_path / "model"
     target.mkdir()
     (target / "config.json").write_text("{}")
+    with pytest.raises(GGUFImportError, match="was not imported by exo"):
+        import_gguf(builtin_gguf_path(), target)
+    assert (target / "config.json").read_text() == "{}"
+    assert not (target / IMPORT_MARKER).exists()
+
+
+def test_an_older_import_is_redone(tmp_path: Path) -> None:
+    target = tmp_path / "model"
     import_gguf(builtin_gguf_path(), target)
-    assert (target / IMPORT_MARKER).exists()
-    assert json.loads((target / "config.json").read_text())["num_hidden_layers"] == 30
+    (target / IMPORT_MARKER).write_text(json.dumps({"source_digest": "from an older exo"}))
+    import_gguf(builtin_gguf_path(), target, {"temperature": 0.5})
+    assert json.loads((target / "generation_config.json").read_text()) == {"temperature": 0.5}
+
+
+def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"not a gguf file" * 100)
+    with pytest.raises(GGUFImportError, match="cannot read"):
+        import_gguf(bogus, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_pre_tokenizer_is_refused() -> None:
+    _, meta = mx.load(str(builtin_gguf_path()), return_metadata=True)  # pyright: ignore[reportGeneralTypeIssues]
+    assert isinstance(meta, dict)
+    with pytest.raises(GGUFImportError, match="llama-bpe"):
+        build_tokenizer_files({**meta, "tokenizer.ggml.pre": "llama-bpe"})
 
 
 def test_cli_import_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

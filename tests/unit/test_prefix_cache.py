@@ -116,6 +116,7 @@ def stats_dict(cache: KVPrefixCache) -> dict[str, int]:
 @pytest.mark.parametrize(
     ("query", "expected_entry", "usable", "kind"),
     [
+        # "exact": everything but the one token always recomputed is reused.
         # Exact repeat of a cached prompt: one token is left to prefill.
         (B[:5], "b5", 4, "exact"),
         # A[:10] is cached twice over (a10, and inside a30): the more recently used wins.
@@ -124,13 +125,13 @@ def stats_dict(cache: KVPrefixCache) -> dict[str, int]:
         (A[:6], "a30", 5, "exact"),
         (A[:2], "a30", 1, "exact"),
         # An extension of a cached entry: the whole entry is usable.
-        (A[:31], "a30", 30, "partial"),
+        (A[:31], "a30", 30, "exact"),
         (A[:200], "a30", 30, "partial"),
         # Diverges inside the cached sequence: up to the divergence point.
-        ((*A[:17], 7), "a30", 17, "partial"),
+        ((*A[:17], 7), "a30", 17, "exact"),
         ((*A[:30], 7, 8), "a30", 30, "partial"),
         # The longer entry of two on the same path is preferred when it is usable.
-        ((*A[:12], 7), "a30", 12, "partial"),
+        ((*A[:12], 7), "a30", 12, "exact"),
         # Only B's entry shares anything.
         ((*B[:3], *A[:5]), "b5", 3, "partial"),
         # Misses: nothing in common, a single token, an empty prompt, only the first token.
@@ -196,16 +197,16 @@ def test_restore_gives_new_objects_and_leaves_entry_intact() -> None:
 
 
 def test_restore_of_a_miss_or_evicted_entry_is_none() -> None:
-    cache = KVPrefixCache(BIG)
+    cache = KVPrefixCache(kv_bytes(10))  # room for one entry
     assert cache.restore(PrefixMatch(entry_id=None, usable=0, prompt_length=5)) is None
     entry_id = store_fresh(cache, A[:10])
     match = cache.lookup(A[:20])
     assert match.entry_id == entry_id
-    cache.clear()
+    store_fresh(cache, B[:10])  # evicts A's entry
     assert cache.restore(match) is None
     assert cache.lookup(A[:20]).entry_id is None
-    assert cache.stats().entries == 0
-    assert cache.stats().bytes == 0
+    assert cache.stats().entries == 1
+    assert cache.stats().bytes == kv_bytes(10)
 
 
 def test_lookup_prefers_most_recently_used_of_equivalent_entries() -> None:
@@ -223,7 +224,7 @@ def test_stats_counters_over_a_session() -> None:
     assert cache.stats() == CacheStats(byte_budget=BIG)
     cache.lookup(A[:50])  # miss
     cache.store(A[:49], kv_layers(49), PrefixMatch(None, 0, 50))
-    cache.lookup(A[:50])  # partial: 49 reused
+    cache.lookup(A[:50])  # exact: 49 reused, the last token is always computed
     cache.lookup(A[:49])  # exact: 48 reused
     cache.lookup(A[:20])  # exact: 19 reused
     cache.lookup(B[:20])  # miss
@@ -231,8 +232,8 @@ def test_stats_counters_over_a_session() -> None:
     cache.lookup((*B[:10], *A[:3]))  # partial: 10 reused
     assert stats_dict(cache) == {
         "lookups": 6,
-        "hits_exact": 2,
-        "hits_partial": 2,
+        "hits_exact": 3,
+        "hits_partial": 1,
         "misses": 2,
         "tokens_reused": 49 + 48 + 19 + 10,
         "entries": 2,
@@ -289,7 +290,10 @@ def test_bytes_are_counted_from_the_arrays_held() -> None:
         (MIN_UPDATE_TOKENS, 2 * MIN_UPDATE_TOKENS + 1, 0, False),
         (5000, 9000, 0, True),
         (5000, 11000, 0, False),
-        (1500, 2000, 1500, True),
+        # The hit must go past the system prompt (which includes the next message's
+        # header): a hit on the system prompt alone is another conversation.
+        (1500, 2000, 1500, False),
+        (1501, 2000, 1500, True),
         (1499, 2000, 1500, False),
         (1200, 1500, 2000, False),
         (0, 0, 0, False),
@@ -323,6 +327,8 @@ def test_is_good_hit(
         (3000, 2500, 4000, 0, "update"),
         # Sharing only a system prompt with a long different conversation: both stay.
         (3000, 1200, 3000, 1200, "add"),
+        # ... and with a short one, where the shared part is most of the prompt.
+        (1300, 1200, 1300, 1200, "add"),
         # A shorter prompt that is a prefix of a long entry: the entry is cut back.
         (3000, 3000, 2000, 0, "update"),
     ],

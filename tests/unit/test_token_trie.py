@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from exo.engine.token_trie import TokenTrie, TrieMatch, _common_length, _Node
+from exo.engine.token_trie import TokenTrie, TrieMatch, _Node, common_prefix_length
 
 Tokens = tuple[int, ...]
 
@@ -64,7 +64,7 @@ def check_invariants(node: _Node, is_root: bool = True) -> None:
         assert union == node.below
 
 
-# --- _common_length ---------------------------------------------------------------
+# --- common_prefix_length ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -83,9 +83,9 @@ def check_invariants(node: _Node, is_root: bool = True) -> None:
         (tuple(range(1000)), (*range(637), -1), 637),
     ],
 )
-def test_common_length(a: Tokens, b: Tokens, expected: int) -> None:
-    assert _common_length(a, b) == expected
-    assert _common_length(b, a) == expected
+def testcommon_prefix_length(a: Tokens, b: Tokens, expected: int) -> None:
+    assert common_prefix_length(a, b) == expected
+    assert common_prefix_length(b, a) == expected
 
 
 # --- match on a fixed trie --------------------------------------------------------

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from jinja2 import TemplateError
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.responses import Response
 
@@ -28,7 +28,6 @@ from exo.api.openai_types import (
     ModelList,
     ModelObject,
     PromptTokensDetails,
-    error_body,
 )
 from exo.shared.types.ids import ModelId, new_task_id
 from exo.shared.types.tasks import GenerationParams, Usage
@@ -38,9 +37,6 @@ from exo.worker.runner.supervisor import RunnerSupervisor, RunnerUnavailable
 DEFAULT_MAX_TOKENS = 1024
 KEEPALIVE_SECONDS = 10.0
 DISCONNECT_POLL_SECONDS = 0.5
-# A runner reports prefill progress per chunk and every token, so this much
-# silence means it is stuck; the request fails instead of waiting forever.
-RUNNER_SILENCE_SECONDS = 300.0
 
 
 @dataclass
@@ -66,6 +62,16 @@ def _usage(usage: Usage) -> CompletionUsage:
 def _sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload)
     return f"data: {data}\n\n"
+
+
+def _runner_unavailable(reason: str) -> APIError:
+    return APIError(
+        503, f"the model runner is unavailable: {reason}", "server_error", "runner_unavailable"
+    )
+
+
+def _generation_failed(reason: str) -> APIError:
+    return APIError(500, f"generation failed: {reason}", "server_error", "generation_failed")
 
 
 def create_app(
@@ -133,9 +139,18 @@ def create_app(
         body: ChatCompletionRequest, request: Request
     ) -> Response | ChatCompletion:
         model = served_model(body.model)
-        prompt: ChatPrompt = await anyio.to_thread.run_sync(
-            render_chat_prompt, model.tokenizer, body.messages
-        )
+        try:
+            prompt: ChatPrompt = await anyio.to_thread.run_sync(
+                render_chat_prompt, model.tokenizer, body.messages
+            )
+        except TemplateError as error:
+            raise APIError(
+                400,
+                f"the model's chat template rejected the messages: {error}",
+                "invalid_request_error",
+                "invalid_messages",
+                "messages",
+            ) from error
         room = model.context_length - len(prompt.tokens)
         if room <= 0:
             raise APIError(
@@ -161,62 +176,75 @@ def create_app(
             system_prompt_length=prompt.system_prompt_length,
         )
         if model.runner.status == "failed":
-            raise APIError(
-                503,
-                f"the model runner failed: {model.runner.error}; it is restarting",
-                "server_error",
-                "runner_unavailable",
-            )
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+            raise _runner_unavailable(f"{model.runner.error}; it is restarting")
+        completion = _Completion(model, task, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _stream(model, task, completion_id, include_usage, keepalive_seconds),
+                completion.stream(include_usage, keepalive_seconds),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await _complete(model, task, completion_id, request)
+        return await completion.complete(request)
 
     return app
 
 
-async def _complete(
-    model: ServedModel, task: Generate, completion_id: str, request: Request
-) -> ChatCompletion:
-    parts: list[str] = []
-    result: Finished | TaskFailed | None = None
+@dataclass
+class _Completion:
+    """One chat completion: the task on the runner, answered whole or streamed.
 
-    async def watch_disconnect(scope: anyio.CancelScope) -> None:
-        while not await request.is_disconnected():
-            await anyio.sleep(DISCONNECT_POLL_SECONDS)
-        scope.cancel()
+    Waits end when the task does (`Finished`/`TaskFailed`), when the runner
+    dies (the supervisor fails its tasks) or when the client goes away.
+    """
 
-    async def collect(messages: MemoryObjectReceiveStream[TaskMessage]) -> None:
-        nonlocal result
+    model: ServedModel
+    task: Generate
+    completion_id: str
+    created: int
+
+    def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+        return _sse(
+            ChatCompletionChunk(
+                id=self.completion_id,
+                created=self.created,
+                model=self.model.model_id,
+                choices=choices,
+                usage=_usage(usage) if usage else None,
+            ).model_dump()
+        )
+
+    async def complete(self, request: Request) -> ChatCompletion:
+        parts: list[str] = []
+        result: Finished | TaskFailed | None = None
+
+        async def watch_disconnect(scope: anyio.CancelScope) -> None:
+            while not await request.is_disconnected():
+                await anyio.sleep(DISCONNECT_POLL_SECONDS)
+            scope.cancel()
+
         try:
-            while result is None:
-                with anyio.fail_after(RUNNER_SILENCE_SECONDS):
-                    message = await messages.receive()
-                if isinstance(message, Chunk):
-                    parts.append(message.text)
-                elif isinstance(message, Finished | TaskFailed):
-                    result = message
-        except (anyio.EndOfStream, TimeoutError):
-            pass  # reported below as a failed generation
-
-    try:
-        async with model.runner.generate(task) as messages, anyio.create_task_group() as group:
-            group.start_soon(watch_disconnect, group.cancel_scope)
-            await collect(messages)
-            group.cancel_scope.cancel()
-    except RunnerUnavailable as error:
-        raise APIError(
-            503, f"the model runner is unavailable: {error}", "server_error", "runner_unavailable"
-        ) from error
-    if isinstance(result, Finished):
+            async with (
+                self.model.runner.generate(self.task) as messages,
+                anyio.create_task_group() as group,
+            ):
+                group.start_soon(watch_disconnect, group.cancel_scope)
+                async for message in messages:
+                    if isinstance(message, Chunk):
+                        parts.append(message.text)
+                    elif isinstance(message, Finished | TaskFailed):
+                        result = message
+                group.cancel_scope.cancel()
+        except RunnerUnavailable as error:
+            raise _runner_unavailable(str(error)) from error
+        if isinstance(result, TaskFailed):
+            raise _generation_failed(result.error)
+        if result is None:
+            raise _generation_failed("the runner ended the task without a result")
         return ChatCompletion(
-            id=completion_id,
-            model=model.model_id,
+            id=self.completion_id,
+            created=self.created,
+            model=self.model.model_id,
             choices=[
                 Choice(
                     message=AssistantMessage(content="".join(parts)),
@@ -225,85 +253,38 @@ async def _complete(
             ],
             usage=_usage(result.usage),
         )
-    reason = (
-        result.error
-        if isinstance(result, TaskFailed)
-        else "the runner stopped responding or ended the task without a result"
-    )
-    raise APIError(500, f"generation failed: {reason}", "server_error", "generation_failed")
 
-
-async def _stream(
-    model: ServedModel,
-    task: Generate,
-    completion_id: str,
-    include_usage: bool,
-    keepalive_seconds: float,
-) -> AsyncIterator[str]:
-    created = int(time.time())
-
-    def chunk(delta: Delta, finish_reason: str | None = None) -> str:
-        return _sse(
-            ChatCompletionChunk(
-                id=completion_id,
-                created=created,
-                model=model.model_id,
-                choices=[ChunkChoice(delta=delta, finish_reason=finish_reason)],
-            ).model_dump()
-        )
-
-    try:
-        async with model.runner.generate(task) as messages:
-            yield chunk(Delta(role="assistant", content=""))
-            last_heard = time.monotonic()
-            while True:
-                message: TaskMessage | None = None
-                with anyio.move_on_after(keepalive_seconds):
-                    try:
-                        message = await messages.receive()
-                    except anyio.EndOfStream:
+    async def stream(self, include_usage: bool, keepalive_seconds: float) -> AsyncIterator[str]:
+        try:
+            async with self.model.runner.generate(self.task) as messages:
+                yield self._chunk([ChunkChoice(delta=Delta(role="assistant", content=""))])
+                last_write = time.monotonic()
+                while True:
+                    message: TaskMessage | None = None
+                    wait = max(0.0, last_write + keepalive_seconds - time.monotonic())
+                    with anyio.move_on_after(wait):
+                        try:
+                            message = await messages.receive()
+                        except anyio.EndOfStream:
+                            break
+                    if isinstance(message, Chunk):
+                        yield self._chunk([ChunkChoice(delta=Delta(content=message.text))])
+                    elif isinstance(message, Finished):
+                        yield self._chunk(
+                            [ChunkChoice(delta=Delta(), finish_reason=message.finish_reason)]
+                        )
+                        if include_usage:
+                            yield self._chunk([], message.usage)
                         break
-                if message is not None:
-                    last_heard = time.monotonic()
-                elif time.monotonic() - last_heard > RUNNER_SILENCE_SECONDS:
-                    yield _sse(
-                        error_body(
-                            "generation failed: the runner stopped responding",
-                            "server_error",
-                            "generation_failed",
-                        )
-                    )
-                    break
-                if message is None:
-                    yield ": keep-alive\n\n"  # SSE comment: keeps clients waiting through prefill
-                elif isinstance(message, Chunk):
-                    yield chunk(Delta(content=message.text))
-                elif isinstance(message, Finished):
-                    yield chunk(Delta(), message.finish_reason)
-                    if include_usage:
-                        yield _sse(
-                            ChatCompletionChunk(
-                                id=completion_id,
-                                created=created,
-                                model=model.model_id,
-                                choices=[],
-                                usage=_usage(message.usage),
-                            ).model_dump()
-                        )
-                    break
-                elif isinstance(message, TaskFailed):
-                    yield _sse(
-                        error_body(
-                            f"generation failed: {message.error}",
-                            "server_error",
-                            "generation_failed",
-                        )
-                    )
-                    break
-    except RunnerUnavailable as error:
-        yield _sse(
-            error_body(
-                f"the model runner is unavailable: {error}", "server_error", "runner_unavailable"
-            )
-        )
-    yield _sse("[DONE]")
+                    elif isinstance(message, TaskFailed):
+                        yield _sse(_generation_failed(message.error).body())
+                        break
+                    elif time.monotonic() - last_write >= keepalive_seconds:
+                        # An SSE comment keeps clients waiting through a long prefill.
+                        yield ": keep-alive\n\n"
+                    else:
+                        continue
+                    last_write = time.monotonic()
+        except RunnerUnavailable as error:
+            yield _sse(_runner_unavailable(str(error)).body())
+        yield _sse("[DONE]")

@@ -7,6 +7,7 @@ from typing import Any
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from exo.api.openai_types import ChatMessage
+from exo.engine.token_trie import common_prefix_length
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,6 @@ def _encode(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
 def render_chat_prompt(tokenizer: TokenizerWrapper, messages: Sequence[ChatMessage]) -> ChatPrompt:
     templated = _template_messages(messages)
     tokens = _encode(tokenizer, templated, generation=True)
@@ -49,5 +45,7 @@ def render_chat_prompt(tokenizer: TokenizerWrapper, messages: Sequence[ChatMessa
         # Every conversation with this system prompt shares its tokens plus the
         # next message's header; render that message empty to find where it ends.
         header_only = [*templated[:leading], {**templated[leading], "content": ""}]
-        system_length = _common_prefix_length(tokens, _encode(tokenizer, header_only, False))
+        system_length = common_prefix_length(
+            tuple(tokens), tuple(_encode(tokenizer, header_only, False))
+        )
     return ChatPrompt(tokens=tokens, system_prompt_length=system_length)

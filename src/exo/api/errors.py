@@ -1,8 +1,11 @@
 """OpenAI-style error responses."""
 
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from loguru import logger
 from starlette.exceptions import HTTPException
 
 from exo.api.openai_types import error_body
@@ -24,6 +27,9 @@ class APIError(Exception):
         self.code = code
         self.param = param
 
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.code, self.param)
+
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
     first = error.errors()[0] if error.errors() else {}
@@ -41,9 +47,14 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, error: Exception) -> JSONResponse:
+        logger.opt(exception=error).error("unhandled error in the API")
         return JSONResponse(
-            error_body(error.message, error.error_type, error.code, error.param),
-            status_code=error.status,
+            error_body(f"internal error: {type(error).__name__}: {error}", "server_error", None),
+            status_code=500,
         )
 
     @app.exception_handler(RequestValidationError)

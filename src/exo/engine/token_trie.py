@@ -30,7 +30,7 @@ class TrieMatch:
     endings: tuple[tuple[int, int], ...]
 
 
-def _common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+def common_prefix_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     if a[: len(b)] == b:
         return min(len(a), len(b))
     n = min(len(a), len(b))
@@ -56,7 +56,7 @@ class TokenTrie:
             child = node.children.get(tokens[depth])
             if child is None:
                 break
-            run = _common_length(tokens[depth : depth + len(child.label)], child.label)
+            run = common_prefix_length(tokens[depth : depth + len(child.label)], child.label)
             depth += run
             below = child.below
             if run < len(child.label):
@@ -76,7 +76,7 @@ class TokenTrie:
                 leaf = _Node(label=tokens[depth:], ending={key}, below={key})
                 node.children[tokens[depth]] = leaf
                 return
-            run = _common_length(tokens[depth : depth + len(child.label)], child.label)
+            run = common_prefix_length(tokens[depth : depth + len(child.label)], child.label)
             if run < len(child.label):
                 # Split the edge: `child` keeps the tail of its label below a new node.
                 middle = _Node(label=child.label[:run], below=set(child.below))

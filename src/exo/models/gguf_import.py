@@ -35,6 +35,15 @@ _GLOBAL_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# llama.cpp pre-tokenizer names -> what runs before the GPT-2 byte-level regex.
+_DIGITS = {"type": "Digits", "individual_digits": True}
+_PRE_TOKENIZERS: dict[str, list[dict[str, Any]]] = {
+    "gpt-2": [],
+    "gpt2": [],
+    "smollm": [_DIGITS],
+    "starcoder": [_DIGITS],
+    "refact": [_DIGITS],
+}
 # llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 _SPECIAL_TOKEN_TYPES = {2, 3, 4}
 
@@ -98,6 +107,11 @@ def convert_tensors(
     return weights, quantization
 
 
+def _attention_heads(meta: dict[str, Any]) -> tuple[int, int]:
+    n_heads = int(_scalar(meta, "llama.attention.head_count"))
+    return n_heads, int(_scalar(meta, "llama.attention.head_count_kv") or n_heads)
+
+
 def build_config(
     meta: dict[str, Any],
     weights: dict[str, mx.array],
@@ -107,8 +121,7 @@ def build_config(
     if arch != "llama":
         raise GGUFImportError(f"architecture {arch!r} is not supported (only 'llama')")
     hidden = int(_scalar(meta, "llama.embedding_length"))
-    n_heads = int(_scalar(meta, "llama.attention.head_count"))
-    n_kv_heads = int(_scalar(meta, "llama.attention.head_count_kv") or n_heads)
+    n_heads, n_kv_heads = _attention_heads(meta)
     vocab = len(meta["tokenizer.ggml.tokens"])
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
@@ -155,10 +168,13 @@ def build_tokenizer_files(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[st
         "trim_offsets": True,
         "use_regex": True,
     }
-    pre_tokenizers: list[dict[str, Any]] = [byte_level]
-    if meta.get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact"):
-        # These models split numbers into single digits before the byte-level regex.
-        pre_tokenizers.insert(0, {"type": "Digits", "individual_digits": True})
+    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in _PRE_TOKENIZERS:
+        # Another split than the one the model was trained with would degrade it quietly.
+        raise GGUFImportError(
+            f"pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
+        )
+    pre_tokenizers: list[dict[str, Any]] = [*_PRE_TOKENIZERS[pre], byte_level]
     tokenizer_json = {
         "version": "1.0",
         "truncation": None,
@@ -248,14 +264,23 @@ def import_gguf(
         return model_dir
     if not gguf_path.is_file():
         raise GGUFImportError(f"GGUF file not found: {gguf_path}")
+    if model_dir.exists() and not (model_dir / IMPORT_MARKER).exists():
+        raise GGUFImportError(
+            f"{model_dir} exists and was not imported by exo; remove it or choose another model id"
+        )
     logger.info(f"importing {gguf_path.name} into {model_dir}")
-    tensors, meta = mx.load(str(gguf_path), return_metadata=True)  # pyright: ignore[reportGeneralTypeIssues]
-    assert isinstance(tensors, dict) and isinstance(meta, dict)
-    n_heads = int(_scalar(meta, "llama.attention.head_count"))
-    n_kv_heads = int(_scalar(meta, "llama.attention.head_count_kv") or n_heads)
-    weights, quantization = convert_tensors(tensors, n_heads, n_kv_heads)
-    config = build_config(meta, weights, quantization)
-    tokenizer_json, tokenizer_config = build_tokenizer_files(meta)
+    try:
+        tensors, meta = mx.load(str(gguf_path), return_metadata=True)  # pyright: ignore[reportGeneralTypeIssues]
+        assert isinstance(tensors, dict) and isinstance(meta, dict)
+        weights, quantization = convert_tensors(tensors, *_attention_heads(meta))
+        config = build_config(meta, weights, quantization)
+        tokenizer_json, tokenizer_config = build_tokenizer_files(meta)
+    except (ValueError, RuntimeError) as error:
+        raise GGUFImportError(f"cannot read {gguf_path} as a GGUF model: {error}") from error
+    except (KeyError, TypeError) as error:
+        raise GGUFImportError(
+            f"{gguf_path} lacks GGUF metadata this import needs: {error}"
+        ) from error
 
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = model_dir.parent / f".{model_dir.name}.importing-{os.getpid()}"

@@ -1,7 +1,6 @@
 """Where models live: one MLX model folder per model id under the models directory."""
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -18,11 +17,6 @@ class InvalidModelId(ValueError):
 
 def default_data_dir() -> Path:
     return Path(platformdirs.user_data_dir("exo"))
-
-
-def default_models_dir() -> Path:
-    env = os.environ.get("EXO_MODELS_DIR")
-    return Path(env) if env else default_data_dir() / "models"
 
 
 def validate_model_id(model_id: str) -> ModelId:

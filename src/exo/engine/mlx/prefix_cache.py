@@ -112,8 +112,12 @@ def choose_evictions(
 
 
 def is_good_hit(usable: int, prompt_length: int, system_prompt_length: int) -> bool:
-    return usable >= max(MIN_UPDATE_TOKENS, system_prompt_length) and (
-        usable >= MIN_UPDATE_FRACTION * prompt_length
+    """Long enough, a large enough share of the prompt, and past the system prompt
+    (a hit on the system prompt alone is another conversation: add, don't overwrite)."""
+    return (
+        usable >= MIN_UPDATE_TOKENS
+        and usable > system_prompt_length
+        and usable >= MIN_UPDATE_FRACTION * prompt_length
     )
 
 
@@ -158,7 +162,7 @@ class KVPrefixCache:
         if best_id is None:
             self._stats.misses += 1
             return PrefixMatch(entry_id=None, usable=0, prompt_length=len(key))
-        if found.depth >= len(key):
+        if best >= limit:  # the whole prompt but the one token always recomputed
             self._stats.hits_exact += 1
         else:
             self._stats.hits_partial += 1
@@ -225,20 +229,22 @@ class KVPrefixCache:
         return entry_id if entry_id in self._entries else None
 
     def _evict(self, keep: int | None) -> None:
-        victims = choose_evictions(self._entries, self.byte_budget, self._memory_pressure(), keep)
-        for entry_id in victims:
-            entry = self._entries.pop(entry_id)
-            self._trie.remove(entry_id, entry.tokens)
-            self._stats.evictions += 1
-        if victims:
-            logger.debug(f"prefix cache evicted {len(victims)} entries")
-            mx.clear_cache()
+        for entry_id in choose_evictions(self._entries, self.byte_budget, False, keep):
+            self._drop(entry_id)
+        # Under memory pressure, drop least recently used entries one at a time
+        # while it lasts (at most every entry but `keep`).
+        while self._memory_pressure():
+            victims = choose_evictions(self._entries, self.byte_budget, True, keep)
+            if not victims:
+                break
+            self._drop(victims[0])
 
-    def clear(self) -> None:
-        for entry_id, entry in list(self._entries.items()):
-            self._trie.remove(entry_id, entry.tokens)
-        self._entries.clear()
-        mx.clear_cache()
+    def _drop(self, entry_id: int) -> None:
+        entry = self._entries.pop(entry_id)
+        self._trie.remove(entry_id, entry.tokens)
+        self._stats.evictions += 1
+        mx.clear_cache()  # give the memory back, so pressure readings see it
+        logger.debug(f"prefix cache evicted an entry of {len(entry.tokens)} tokens")
 
     def entry_tokens(self, entry_id: int) -> tuple[int, ...]:
         return self._entries[entry_id].tokens

@@ -10,8 +10,8 @@ FinishReason = Literal["stop", "length"]
 class GenerationParams(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    max_tokens: int = Field(default=512, ge=1)
-    temperature: float = Field(default=0.7, ge=0.0, le=2.0)
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: tuple[str, ...] = ()

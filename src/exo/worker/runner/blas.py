@@ -12,32 +12,22 @@ expected name in a small directory put on `LD_LIBRARY_PATH`.
 import ctypes.util
 import os
 import sys
-from importlib import metadata
 from pathlib import Path
 
 from loguru import logger
 
-
-def _package_file(package: str, predicate: "callable[[str], bool]") -> Path | None:  # type: ignore[valid-type]
-    try:
-        files = metadata.files(package) or []
-    except metadata.PackageNotFoundError:
-        return None
-    for f in files:
-        if predicate(f.name):
-            return Path(str(f.locate())).resolve()
-    return None
+from exo.shared.package_files import find_package_file
 
 
 def openblas_library() -> Path | None:
     if not sys.platform.startswith("linux"):
         return None
-    return _package_file("cmeel-openblas", lambda name: name == "libopenblas.so.0")
+    return find_package_file("cmeel-openblas", lambda name: name == "libopenblas.so.0")
 
 
 def _gfortran_shim_dir(cache_dir: Path) -> Path | None:
     """A directory holding `libgfortran.so.5` (and its libquadmath) from the mlx-cpu wheel."""
-    gfortran = _package_file("mlx-cpu", lambda n: n.startswith("libgfortran-") and ".so" in n)
+    gfortran = find_package_file("mlx-cpu", lambda n: n.startswith("libgfortran-") and ".so" in n)
     if gfortran is None:
         return None
     shim = cache_dir / "blas-libs"

@@ -66,7 +66,6 @@ class TaskFailed(_Message):
     kind: Literal["task_failed"] = "task_failed"
     task_id: TaskId
     error: str
-    cancelled: bool = False
 
 
 class CacheStatsReport(_Message):

@@ -8,6 +8,7 @@ original stdout; everything else printed goes to stderr.
 import argparse
 import os
 import queue
+import signal
 import sys
 import threading
 import traceback
@@ -17,6 +18,7 @@ from typing import IO
 
 import psutil
 from loguru import logger
+from pydantic import ValidationError
 
 from exo.worker.runner.protocol import (
     CacheStatsReport,
@@ -49,6 +51,7 @@ class Runner:
         self._inbox = inbox
         self._pending: deque[Generate] = deque()
         self._cancelled: set[str] = set()
+        self._current: str | None = None
 
     def send(self, message: FromRunner) -> None:
         self._out.write(message.model_dump_json() + "\n")
@@ -68,7 +71,9 @@ class Runner:
         if message is None or isinstance(message, Shutdown):
             return False
         if isinstance(message, Cancel):
-            self._cancelled.add(message.task_id)
+            known = {task.task_id for task in self._pending} | {self._current}
+            if message.task_id in known:
+                self._cancelled.add(message.task_id)
         else:
             self._pending.append(message)
         return True
@@ -109,6 +114,7 @@ class Runner:
                 self._cancelled.discard(task.task_id)
                 continue
             self.send(StatusChanged(status="running"))
+            self._current = task.task_id
             try:
                 outputs = generator.generate(
                     task.tokens,
@@ -131,13 +137,14 @@ class Runner:
                             )
                         )
             except GenerationCancelled:
-                self.send(TaskFailed(task_id=task.task_id, error="cancelled", cancelled=True))
+                self.send(TaskFailed(task_id=task.task_id, error="cancelled"))
             except Exception as error:  # a bad request must not kill the runner
                 logger.exception(f"task {task.task_id} failed")
                 self.send(
                     TaskFailed(task_id=task.task_id, error=f"{type(error).__name__}: {error}")
                 )
             finally:
+                self._current = None
                 self._cancelled.discard(task.task_id)
             self.send(StatusChanged(status="ready"))
             if cache is not None:
@@ -145,10 +152,16 @@ class Runner:
 
 
 def _read_stdin(inbox: "queue.Queue[ToRunner | None]") -> None:
-    for line in sys.stdin:
-        if line.strip():
-            inbox.put(to_runner_adapter.validate_json(line))
-    inbox.put(None)  # the supervisor closed our stdin: shut down
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            try:
+                inbox.put(to_runner_adapter.validate_json(line))
+            except ValidationError:
+                logger.error(f"ignoring an unreadable message: {line[:200]!r}")
+    finally:
+        inbox.put(None)  # the supervisor closed our stdin (or it broke): shut down
 
 
 def main() -> None:
@@ -156,6 +169,8 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--prefix-cache-bytes", type=int, required=True)
     args = parser.parse_args()
+    # Ctrl-C reaches the whole process group; the node stops us via stdin instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     # Keep the protocol on the real stdout; anything else printed goes to stderr.
     protocol_out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)

@@ -5,6 +5,7 @@ here; a crash fails every waiting request with an error (never a hang) and the
 runner is started again after a back-off.
 """
 
+import math
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
@@ -36,11 +37,17 @@ from exo.worker.runner.protocol import (
 
 RESTART_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
 SHUTDOWN_GRACE_SECONDS = 5.0
-TASK_BUFFER = 1024
+SEND_TIMEOUT_SECONDS = 5.0
+# Routine transitions between these are logged at DEBUG, the rest at INFO/ERROR.
+_BUSY_STATES = {"ready", "running"}
 
 
 class RunnerUnavailable(Exception):
     """The runner is not able to take requests (it failed and is restarting)."""
+
+
+# A runner that died or stopped reading: the caller treats the send as lost.
+_SEND_ERRORS = (RunnerUnavailable, anyio.BrokenResourceError, OSError, TimeoutError)
 
 
 class RunnerSupervisor:
@@ -58,28 +65,34 @@ class RunnerSupervisor:
         self._process: Process | None = None
         self._write_lock = anyio.Lock()
         self._tasks: dict[TaskId, MemoryObjectSendStream[TaskMessage]] = {}
-        self._ready = anyio.Event()
+        self._first_ready = anyio.Event()
+        self._stopping = False
+        self._exited = anyio.Event()
 
     def _set_status(self, status: RunnerStatus, error: str | None = None) -> None:
         if status != self.status:
-            level = "ERROR" if status == "failed" else "INFO"
+            routine = {status, self.status} <= _BUSY_STATES
+            level = "ERROR" if status == "failed" else "DEBUG" if routine else "INFO"
             suffix = f": {error}" if error else ""
             logger.log(level, f"runner for {self.model_id}: {status}{suffix}")
         self.status = status
         self.error = error
         if status == "ready":
-            self._ready.set()
+            self._first_ready.set()
 
     async def wait_ready(self, timeout: float) -> bool:
+        """Wait until the runner has been ready once (across restarts)."""
         with anyio.move_on_after(timeout):
-            await self._ready.wait()
-        return self._ready.is_set()
+            await self._first_ready.wait()
+        return self._first_ready.is_set()
 
     async def run(self) -> None:
-        """Keep a runner process alive until cancelled."""
+        """Keep a runner process alive until cancelled or shut down."""
         failures = 0
-        while True:
+        while not self._stopping:
             reached_ready = await self._run_once()
+            if self._stopping:
+                return
             failures = 0 if reached_ready else failures + 1
             self.restarts += 1
             delay = RESTART_BACKOFF_SECONDS[min(failures, len(RESTART_BACKOFF_SECONDS) - 1)]
@@ -87,7 +100,7 @@ class RunnerSupervisor:
             await anyio.sleep(delay)
 
     async def _run_once(self) -> bool:
-        self._ready = anyio.Event()
+        self._exited = anyio.Event()
         self._set_status("starting")
         command = [
             sys.executable,
@@ -121,9 +134,14 @@ class RunnerSupervisor:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_GRACE_SECONDS):
                     await process.wait()
             self._process = None
-            reason = self.error or f"runner process exited with code {process.returncode}"
-            self._set_status("failed", reason)
-            self._fail_all(reason)
+            if self._stopping:
+                self._set_status("stopped")
+                self._fail_all("the node is shutting down")
+            else:
+                reason = self.error or f"runner process exited with code {process.returncode}"
+                self._set_status("failed", reason)
+                self._fail_all(f"runner failed: {reason}")
+            self._exited.set()
         return reached_ready
 
     def _dispatch(self, line: str) -> None:
@@ -151,7 +169,7 @@ class RunnerSupervisor:
     def _fail_all(self, reason: str) -> None:
         for task_id, stream in list(self._tasks.items()):
             with suppress(anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                stream.send_nowait(TaskFailed(task_id=task_id, error=f"runner failed: {reason}"))
+                stream.send_nowait(TaskFailed(task_id=task_id, error=reason))
             stream.close()
         self._tasks.clear()
 
@@ -160,7 +178,8 @@ class RunnerSupervisor:
         if process is None or process.stdin is None:
             raise RunnerUnavailable(self.error or f"runner is {self.status}")
         async with self._write_lock:
-            await process.stdin.send((message.model_dump_json() + "\n").encode())
+            with anyio.fail_after(SEND_TIMEOUT_SECONDS):
+                await process.stdin.send((message.model_dump_json() + "\n").encode())
 
     @asynccontextmanager
     async def generate(
@@ -170,7 +189,9 @@ class RunnerSupervisor:
         or `TaskFailed`. Leaving before that cancels the task on the runner."""
         if self.status == "failed" or self._process is None:
             raise RunnerUnavailable(self.error or f"runner is {self.status}")
-        send, receive = anyio.create_memory_object_stream[TaskMessage](TASK_BUFFER)
+        # Unbounded: a task's output is bounded by its max_tokens, and a slow
+        # client must never make the supervisor drop tokens.
+        send, receive = anyio.create_memory_object_stream[TaskMessage](math.inf)
         self._tasks[request.task_id] = send
         try:
             await self._send(request)
@@ -180,9 +201,15 @@ class RunnerSupervisor:
             if self._tasks.pop(request.task_id, None) is not None:
                 send.close()
                 with anyio.CancelScope(shield=True):
-                    with suppress(RunnerUnavailable, anyio.BrokenResourceError, OSError):
+                    with suppress(*_SEND_ERRORS):
                         await self._send(Cancel(task_id=request.task_id))
 
     async def shutdown(self) -> None:
-        with suppress(RunnerUnavailable, anyio.BrokenResourceError, OSError):
+        """Ask the runner to exit and wait (bounded) until it has; `run` then returns."""
+        self._stopping = True
+        if self._process is None:
+            return
+        with suppress(*_SEND_ERRORS):
             await self._send(Shutdown())
+        with anyio.move_on_after(SHUTDOWN_GRACE_SECONDS):
+            await self._exited.wait()
