@@ -1,0 +1,102 @@
+"""`apply(state, indexed_event) -> state`: pure and total.
+
+Every event kind is handled; an event that names something unknown (a node
+that already timed out, a deleted instance) leaves the state as it was, so
+replaying any prefix of the log is always well defined.
+"""
+
+from exo.shared.types.events import (
+    IndexedEvent,
+    InstanceCreated,
+    InstanceDeleted,
+    MasterElected,
+    NodeJoined,
+    NodeTelemetryReported,
+    NodeTimedOut,
+    RunnerStatusChanged,
+)
+from exo.shared.types.state import NodeInfo, RunnerInfo, State
+
+
+def _seen(state: State, indexed: IndexedEvent) -> State:
+    node = state.nodes.get(indexed.origin)
+    if node is None or node.last_seen_ms >= indexed.at_ms:
+        return state
+    nodes = {**state.nodes, node.node_id: node.model_copy(update={"last_seen_ms": indexed.at_ms})}
+    return state.model_copy(update={"nodes": nodes})
+
+
+def _apply_event(state: State, indexed: IndexedEvent) -> State:
+    event = indexed.event
+    match event:
+        case NodeJoined():
+            known = state.nodes.get(event.node_id)
+            node = NodeInfo(
+                node_id=event.node_id,
+                grpc_address=event.grpc_address,
+                started_at_ms=event.started_at_ms,
+                telemetry=known.telemetry if known else None,
+                last_seen_ms=indexed.at_ms,
+            )
+            return state.model_copy(update={"nodes": {**state.nodes, event.node_id: node}})
+        case NodeTelemetryReported():
+            node = state.nodes.get(event.node_id)
+            if node is None:
+                return state
+            updated = node.model_copy(update={"telemetry": event.telemetry})
+            return state.model_copy(update={"nodes": {**state.nodes, event.node_id: updated}})
+        case NodeTimedOut():
+            if event.node_id not in state.nodes:
+                return state
+            gone = {i for i, inst in state.instances.items() if inst.node_id == event.node_id}
+            return state.model_copy(
+                update={
+                    "nodes": {k: v for k, v in state.nodes.items() if k != event.node_id},
+                    "instances": {k: v for k, v in state.instances.items() if k not in gone},
+                    "runners": {
+                        k: v
+                        for k, v in state.runners.items()
+                        if k not in gone and v.node_id != event.node_id
+                    },
+                    "master_id": None if state.master_id == event.node_id else state.master_id,
+                }
+            )
+        case MasterElected():
+            if event.term < state.master_term:
+                return state  # a stale election result
+            return state.model_copy(
+                update={"master_id": event.master_id, "master_term": event.term}
+            )
+        case InstanceCreated():
+            if event.instance.node_id not in state.nodes:
+                return state
+            instances = {**state.instances, event.instance.instance_id: event.instance}
+            return state.model_copy(update={"instances": instances})
+        case InstanceDeleted():
+            return state.model_copy(
+                update={
+                    "instances": {
+                        k: v for k, v in state.instances.items() if k != event.instance_id
+                    },
+                    "runners": {k: v for k, v in state.runners.items() if k != event.instance_id},
+                }
+            )
+        case RunnerStatusChanged():
+            instance = state.instances.get(event.instance_id)
+            if instance is None or instance.node_id != event.node_id:
+                return state
+            runner = RunnerInfo(
+                instance_id=event.instance_id,
+                node_id=event.node_id,
+                status=event.status,
+                error=event.error,
+            )
+            return state.model_copy(
+                update={"runners": {**state.runners, event.instance_id: runner}}
+            )
+
+
+def apply(state: State, indexed: IndexedEvent) -> State:
+    """The state after `indexed`; the caller feeds events in `idx` order."""
+    applied = _seen(_apply_event(state, indexed), indexed)
+    return applied.model_copy(update={"last_idx": indexed.idx})

@@ -1,0 +1,76 @@
+"""Events: facts in the past tense. The master indexes them; state folds them."""
+
+from typing import Annotated, Literal
+
+from pydantic import Field, TypeAdapter
+
+from exo.shared.types.frozen import FrozenModel
+from exo.shared.types.ids import InstanceId, NodeId
+from exo.shared.types.runner import RunnerStatus
+from exo.shared.types.state import Instance, NodeTelemetry
+
+
+class NodeJoined(FrozenModel):
+    kind: Literal["node_joined"] = "node_joined"
+    node_id: NodeId
+    grpc_address: str
+    started_at_ms: int
+
+
+class NodeTelemetryReported(FrozenModel):
+    kind: Literal["node_telemetry_reported"] = "node_telemetry_reported"
+    node_id: NodeId
+    telemetry: NodeTelemetry
+
+
+class NodeTimedOut(FrozenModel):
+    kind: Literal["node_timed_out"] = "node_timed_out"
+    node_id: NodeId
+
+
+class MasterElected(FrozenModel):
+    kind: Literal["master_elected"] = "master_elected"
+    master_id: NodeId
+    term: int
+
+
+class InstanceCreated(FrozenModel):
+    kind: Literal["instance_created"] = "instance_created"
+    instance: Instance
+
+
+class InstanceDeleted(FrozenModel):
+    kind: Literal["instance_deleted"] = "instance_deleted"
+    instance_id: InstanceId
+
+
+class RunnerStatusChanged(FrozenModel):
+    kind: Literal["runner_status_changed"] = "runner_status_changed"
+    instance_id: InstanceId
+    node_id: NodeId
+    status: RunnerStatus
+    error: str | None = None
+
+
+Event = Annotated[
+    NodeJoined
+    | NodeTelemetryReported
+    | NodeTimedOut
+    | MasterElected
+    | InstanceCreated
+    | InstanceDeleted
+    | RunnerStatusChanged,
+    Field(discriminator="kind"),
+]
+
+
+class IndexedEvent(FrozenModel):
+    """An event as the master ordered it: `idx` 0, 1, 2, ... with no gaps."""
+
+    idx: int = Field(ge=0)
+    at_ms: int  # master clock when indexed
+    origin: NodeId  # the node whose event this is
+    event: Event
+
+
+indexed_event_adapter: TypeAdapter[IndexedEvent] = TypeAdapter(IndexedEvent)
