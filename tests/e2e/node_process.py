@@ -54,7 +54,11 @@ class NodeProcess:
 
 @contextmanager
 def running_node(
-    tmp_path: Path, models_dir: Path, *extra_args: str, model: str | None = None
+    tmp_path: Path,
+    models_dir: Path,
+    *extra_args: str,
+    model: str | None = None,
+    data_dir: Path | None = None,
 ) -> Iterator[NodeProcess]:
     port = free_port()
     log_path = tmp_path / f"exo-{port}.log"
@@ -62,7 +66,7 @@ def running_node(
         sys.executable, "-m", "exo.main",
         "--host", "127.0.0.1",
         "--api-port", str(port),
-        "--data-dir", str(tmp_path / f"data-{port}"),
+        "--data-dir", str(data_dir or tmp_path / f"data-{port}"),
         "--models-dir", str(models_dir),
         *(["--model", model] if model else []),
         *extra_args,

@@ -29,6 +29,7 @@ from exo.api.openai_types import (
     ModelObject,
     PromptTokensDetails,
 )
+from exo.shared.cluster_view import ClusterView
 from exo.shared.types.ids import ModelId, new_task_id
 from exo.shared.types.tasks import GenerationParams, Usage
 from exo.worker.runner.protocol import Chunk, Finished, Generate, TaskFailed, TaskMessage
@@ -75,7 +76,9 @@ def _generation_failed(reason: str) -> APIError:
 
 
 def create_app(
-    models: dict[ModelId, ServedModel], keepalive_seconds: float = KEEPALIVE_SECONDS
+    models: dict[ModelId, ServedModel],
+    cluster: ClusterView,
+    keepalive_seconds: float = KEEPALIVE_SECONDS,
 ) -> FastAPI:
     app = FastAPI(title="exo", version="0.1.0")
     install_error_handlers(app)
@@ -119,6 +122,28 @@ def create_app(
                 for m in models.values()
             ]
         }
+
+    @app.get("/node_id")
+    async def node_id() -> str:
+        return cluster.node_id
+
+    @app.get("/state")
+    async def state() -> dict[str, Any]:
+        return cluster.state.model_dump(mode="json")
+
+    @app.get("/events")
+    async def events(from_idx: int = 0) -> StreamingResponse:
+        """SSE of indexed events from `from_idx`: the history, then live events."""
+        if from_idx < 0:
+            raise APIError(
+                400, "from_idx must be >= 0", "invalid_request_error", "invalid_request", "from_idx"
+            )
+
+        async def stream() -> AsyncIterator[str]:
+            async for indexed in cluster.subscribe(from_idx):
+                yield f"id: {indexed.idx}\n" + _sse(indexed.model_dump(mode="json"))
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -8,8 +8,10 @@ from loguru import logger
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 
+from exo.shared.types.state import MlxBackend
 
-def backend_name() -> str:
+
+def backend_name() -> MlxBackend:
     """`metal`, `cuda` or `cpu`: where MLX runs by default here."""
     if mx.metal.is_available():
         return "metal"

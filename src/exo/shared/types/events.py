@@ -13,7 +13,7 @@ from exo.shared.types.state import Instance, NodeTelemetry
 class NodeJoined(FrozenModel):
     kind: Literal["node_joined"] = "node_joined"
     node_id: NodeId
-    grpc_address: str
+    grpc_address: str | None  # None: the node has no cluster link
     started_at_ms: int
 
 

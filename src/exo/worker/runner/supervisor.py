@@ -7,7 +7,7 @@ runner is started again after a back-off.
 
 import math
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 
@@ -52,7 +52,12 @@ _SEND_ERRORS = (RunnerUnavailable, anyio.BrokenResourceError, OSError, TimeoutEr
 
 class RunnerSupervisor:
     def __init__(
-        self, model_id: ModelId, model_dir: Path, prefix_cache_bytes: int, cache_dir: Path
+        self,
+        model_id: ModelId,
+        model_dir: Path,
+        prefix_cache_bytes: int,
+        cache_dir: Path,
+        on_status: Callable[[RunnerStatus, str | None], None] = lambda status, error: None,
     ) -> None:
         self.model_id = model_id
         self.model_dir = model_dir
@@ -62,6 +67,7 @@ class RunnerSupervisor:
         self.error: str | None = None
         self.cache_stats: CacheStats | None = None
         self.restarts = 0
+        self._on_status = on_status
         self._process: Process | None = None
         self._write_lock = anyio.Lock()
         self._tasks: dict[TaskId, MemoryObjectSendStream[TaskMessage]] = {}
@@ -75,6 +81,7 @@ class RunnerSupervisor:
             level = "ERROR" if status == "failed" else "DEBUG" if routine else "INFO"
             suffix = f": {error}" if error else ""
             logger.log(level, f"runner for {self.model_id}: {status}{suffix}")
+            self._on_status(status, error)
         self.status = status
         self.error = error
         if status == "ready":

@@ -1,0 +1,17 @@
+"""What the API needs of the cluster: this node's id, the state, the event stream."""
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from exo.shared.types.events import IndexedEvent
+from exo.shared.types.ids import NodeId
+from exo.shared.types.state import State
+
+
+class ClusterView(Protocol):
+    node_id: NodeId
+
+    @property
+    def state(self) -> State: ...
+
+    def subscribe(self, from_idx: int) -> AsyncIterator[IndexedEvent]: ...

@@ -1,0 +1,85 @@
+"""End to end: the node's event-sourced state through /state, /events and /node_id."""
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from exo.models.builtin import DEFAULT_MODEL_ID
+from tests.e2e.node_process import NodeProcess, running_node
+
+pytestmark = pytest.mark.slow
+
+
+def get(node: NodeProcess, path: str) -> object:
+    response = httpx.get(f"{node.base_url}{path}", timeout=10)
+    response.raise_for_status()
+    return response.json()
+
+
+def read_events(node: NodeProcess, from_idx: int, count: int) -> list[dict]:
+    events: list[dict] = []
+    with httpx.stream(
+        "GET", f"{node.base_url}/events", params={"from_idx": from_idx}, timeout=10
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+                if len(events) == count:
+                    break
+    return events
+
+
+def test_state_shows_this_node_its_instance_and_runner(node: NodeProcess) -> None:
+    node_id = get(node, "/node_id")
+    state = get(node, "/state")
+    assert isinstance(state, dict)
+    assert state["master_id"] == node_id
+    me = state["nodes"][node_id]
+    assert me["telemetry"]["ram_total"] > 0
+    assert me["telemetry"]["mlx_backend"] in ("cpu", "metal", "cuda")
+    [(instance_id, instance)] = state["instances"].items()
+    assert instance == {
+        "instance_id": instance_id,
+        "model_id": DEFAULT_MODEL_ID,
+        "node_id": node_id,
+    }
+    assert state["runners"][instance_id]["status"] in ("ready", "running")
+
+
+def test_events_replay_in_order_from_any_index(node: NodeProcess) -> None:
+    from_start = read_events(node, 0, 3)
+    assert [e["idx"] for e in from_start] == [0, 1, 2]
+    assert from_start[0]["event"]["kind"] == "node_joined"
+    assert read_events(node, 1, 2) == from_start[1:]
+
+
+def test_bad_event_index_is_a_400(node: NodeProcess) -> None:
+    r = httpx.get(f"{node.base_url}/events", params={"from_idx": -1}, timeout=10)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "from_idx"
+
+
+def test_a_restarted_node_keeps_its_id_and_history(tmp_path: Path, models_dir: Path) -> None:
+    with running_node(tmp_path, models_dir, "--prefix-cache-bytes", "0") as first:
+        node_id = get(first, "/node_id")
+        before = get(first, "/state")
+        assert isinstance(before, dict)
+        [old_instance] = before["instances"]
+        first_events = read_events(first, 0, before["last_idx"] + 1)
+    data_dir = tmp_path / f"data-{first.base_url.rsplit(':', 1)[1]}"
+    with running_node(
+        tmp_path, models_dir, "--prefix-cache-bytes", "0", data_dir=data_dir
+    ) as second:
+        assert get(second, "/node_id") == node_id
+        after = get(second, "/state")
+        assert isinstance(after, dict)
+        assert after["last_idx"] > before["last_idx"]
+        assert after["master_term"] == before["master_term"] + 1
+        assert old_instance not in after["instances"]  # the old runner is gone with the old process
+        assert len(after["instances"]) == 1
+        # The history is kept: the same events, then the new ones, with no gap.
+        replay = read_events(second, 0, after["last_idx"] + 1)
+        assert replay[: len(first_events)] == first_events
+        assert [e["idx"] for e in replay] == list(range(after["last_idx"] + 1))
