@@ -1,0 +1,137 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Peer(_message.Message):
+    __slots__ = ("node_id", "address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ("node_id", "address", "started_at_ms", "force_master", "last_applied_idx", "master_id", "term")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    FORCE_MASTER_FIELD_NUMBER: _ClassVar[int]
+    LAST_APPLIED_IDX_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    started_at_ms: int
+    force_master: bool
+    last_applied_idx: int
+    master_id: str
+    term: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., force_master: _Optional[bool] = ..., last_applied_idx: _Optional[int] = ..., master_id: _Optional[str] = ..., term: _Optional[int] = ...) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("node_id", "address", "started_at_ms", "force_master", "last_applied_idx", "master_id", "term", "peers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    FORCE_MASTER_FIELD_NUMBER: _ClassVar[int]
+    LAST_APPLIED_IDX_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    started_at_ms: int
+    force_master: bool
+    last_applied_idx: int
+    master_id: str
+    term: int
+    peers: _containers.RepeatedCompositeFieldContainer[Peer]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., force_master: _Optional[bool] = ..., last_applied_idx: _Optional[int] = ..., master_id: _Optional[str] = ..., term: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ...) -> None: ...
+
+class CommandEnvelope(_message.Message):
+    __slots__ = ("id", "origin", "payload")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    origin: str
+    payload: bytes
+    def __init__(self, id: _Optional[str] = ..., origin: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class LocalEventEnvelope(_message.Message):
+    __slots__ = ("id", "origin", "payload")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    origin: str
+    payload: bytes
+    def __init__(self, id: _Optional[str] = ..., origin: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[LocalEventEnvelope]
+    def __init__(self, events: _Optional[_Iterable[_Union[LocalEventEnvelope, _Mapping]]] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("ok", "message")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    message: str
+    def __init__(self, ok: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("from_idx",)
+    FROM_IDX_FIELD_NUMBER: _ClassVar[int]
+    from_idx: int
+    def __init__(self, from_idx: _Optional[int] = ...) -> None: ...
+
+class IndexedEventEnvelope(_message.Message):
+    __slots__ = ("idx", "payload")
+    IDX_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    idx: int
+    payload: bytes
+    def __init__(self, idx: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class ElectionMessage(_message.Message):
+    __slots__ = ("node_id", "started_at_ms", "force_master", "term", "master_id", "last_idx")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    FORCE_MASTER_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_IDX_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    started_at_ms: int
+    force_master: bool
+    term: int
+    master_id: str
+    last_idx: int
+    def __init__(self, node_id: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., force_master: _Optional[bool] = ..., term: _Optional[int] = ..., master_id: _Optional[str] = ..., last_idx: _Optional[int] = ...) -> None: ...
+
+class FetchFileRequest(_message.Message):
+    __slots__ = ("model_id", "path", "offset")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    path: str
+    offset: int
+    def __init__(self, model_id: _Optional[str] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("offset", "data", "total_size")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    total_size: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ...) -> None: ...
