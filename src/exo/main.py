@@ -11,18 +11,21 @@ import psutil
 from loguru import logger
 
 from exo.api.app import KEEPALIVE_SECONDS
+from exo.cluster.auth import validate_secret
+from exo.cluster.link import LinkTiming
 from exo.models.builtin import DEFAULT_MODEL_ID
 from exo.models.store import InvalidModelId, default_data_dir, model_dir, validate_model_id
 from exo.node import NodeConfig, NodeStartupError, run_node
 
 DEFAULT_API_PORT = 52415
+DEFAULT_GRPC_PORT = 52414
 # Share of RAM the prefix cache may hold by default.
 DEFAULT_PREFIX_CACHE_FRACTION = 0.2
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
 
 
 def _flag(
-    parser: argparse.ArgumentParser, flag: str, env: str, default: Any, help: str, **kw: Any
+    parser: argparse._ActionsContainer, flag: str, env: str, default: Any, help: str, **kw: Any
 ) -> None:
     """A flag whose default comes from `env` when set. argparse converts (and
     reports bad values of) string defaults with the flag's `type` like any input."""
@@ -89,7 +92,47 @@ def _node_parser() -> argparse.ArgumentParser:
         type=str.upper,
         choices=LOG_LEVELS,
     )
+    cluster = parser.add_argument_group("cluster")
+    _flag(
+        cluster,
+        "--grpc-port",
+        "EXO_GRPC_PORT",
+        str(DEFAULT_GRPC_PORT),
+        "port of the cluster link (gRPC)",
+        type=int,
+    )
+    _flag(
+        cluster,
+        "--peers",
+        "EXO_PEERS",
+        "",
+        "comma-separated host:grpc_port of other nodes, for networks where discovery is blocked",
+    )
+    _flag(
+        cluster,
+        "--cluster-secret",
+        "EXO_CLUSTER_SECRET",
+        "",
+        "shared secret; nodes with different secrets never join each other",
+    )
+    _switch(cluster, "--force-master", "EXO_FORCE_MASTER", "this node is master whenever it is up")
+    _switch(cluster, "--no-worker", "EXO_NO_WORKER", "coordinate only: run no model on this node")
+    _switch(cluster, "--no-api", "EXO_NO_API", "serve no HTTP API on this node")
+    _switch(cluster, "--no-discovery", "EXO_NO_DISCOVERY", "do not use mDNS; only --peers")
+    _flag(
+        cluster,
+        "--node-timeout-seconds",
+        "EXO_NODE_TIMEOUT_SECONDS",
+        "20",
+        "the master removes a node (and its instances) silent for this long",
+        type=float,
+    )
     return parser  # fmt: skip
+
+
+def _switch(parser: argparse._ActionsContainer, flag: str, env: str, help: str) -> None:
+    default = os.environ.get(env, "").lower() in ("1", "true", "yes", "on")
+    parser.add_argument(flag, action="store_true", default=default, help=f"{help} ({env}=1)")
 
 
 def _import_parser() -> argparse.ArgumentParser:
@@ -143,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
         model_id = validate_model_id(args.model)
     except InvalidModelId as error:
         _fail(str(error))
+    try:
+        secret = validate_secret(args.cluster_secret)
+    except ValueError as error:
+        _fail(str(error))
     cache_bytes = args.prefix_cache_bytes
     if cache_bytes is None:
         cache_bytes = int(psutil.virtual_memory().total * DEFAULT_PREFIX_CACHE_FRACTION)
@@ -156,6 +203,14 @@ def main(argv: list[str] | None = None) -> None:
         model_id=model_id,
         prefix_cache_bytes=cache_bytes,
         sse_keepalive_seconds=args.sse_keepalive_seconds,
+        grpc_port=args.grpc_port,
+        peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
+        cluster_secret=secret,
+        force_master=args.force_master,
+        worker=not args.no_worker,
+        api=not args.no_api,
+        discovery=not args.no_discovery,
+        timing=LinkTiming(node_timeout_seconds=args.node_timeout_seconds),
     )
     try:
         anyio.run(run_node, config)

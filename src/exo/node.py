@@ -1,27 +1,29 @@
-"""A node: imports its model, supervises the runner, serves the HTTP API."""
+"""A node: the cluster link, a worker (model + runner) and the HTTP API."""
 
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import uvicorn
 from loguru import logger
 from mlx_lm.utils import load_tokenizer
 
 from exo.api.app import ServedModel, create_app
+from exo.cluster.auth import secret_fingerprint
+from exo.cluster.discovery import MdnsDiscovery
+from exo.cluster.link import ClusterLink, LinkTiming
 from exo.master.event_log import EventLog, EventLogCorrupted
-from exo.master.master import Master, now_ms
+from exo.master.event_store import EventStore, now_ms
 from exo.models.builtin import DEFAULT_MODEL_ID, BuiltinModelMissing, ensure_default_model
 from exo.models.gguf_import import GGUFImportError
 from exo.models.store import context_length, model_dir, sampling_defaults
 from exo.shared.types.events import (
-    Event,
     InstanceCreated,
     InstanceDeleted,
-    MasterElected,
     NodeJoined,
     NodeTelemetryReported,
     RunnerStatusChanged,
@@ -32,7 +34,6 @@ from exo.worker.runner.supervisor import RunnerSupervisor
 from exo.worker.telemetry import read_telemetry
 
 READY_ANNOUNCE_TIMEOUT_SECONDS = 600.0
-TELEMETRY_INTERVAL_SECONDS = 10.0
 EVENT_LOG_NAME = "events.log"
 
 
@@ -49,6 +50,14 @@ class NodeConfig:
     model_id: ModelId
     prefix_cache_bytes: int
     sse_keepalive_seconds: float
+    grpc_port: int = 52414
+    peers: tuple[str, ...] = ()
+    cluster_secret: str = ""
+    force_master: bool = False
+    worker: bool = True
+    api: bool = True
+    discovery: bool = True
+    timing: LinkTiming = field(default_factory=LinkTiming)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -102,62 +111,46 @@ def load_node_id(data_dir: Path) -> NodeId:
     return node_id
 
 
-def _open_master(node_id: NodeId, data_dir: Path) -> Master:
+def _open_store(node_id: NodeId, data_dir: Path) -> EventStore:
     try:
-        return Master(node_id, EventLog.open(data_dir / EVENT_LOG_NAME))
+        return EventStore(node_id, EventLog.open(data_dir / EVENT_LOG_NAME))
     except EventLogCorrupted as error:
         raise NodeStartupError(f"the event log is damaged: {error}") from error
 
 
-class _Publisher:
-    """This node's events, each with a fresh id (the master deduplicates by id)."""
-
-    def __init__(self, master: Master) -> None:
-        self.master = master
-
-    def __call__(self, *events: Event) -> None:
-        self.master.publish(self.master.node_id, [(uuid.uuid4().hex, e) for e in events])
-
-
-async def _report_telemetry(publish: _Publisher, models_dir: Path) -> None:
-    while True:
-        telemetry = await anyio.to_thread.run_sync(read_telemetry, models_dir)
-        publish(NodeTelemetryReported(node_id=publish.master.node_id, telemetry=telemetry))
-        await anyio.sleep(TELEMETRY_INTERVAL_SECONDS)
+def _advertised_host(host: str) -> str:
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
-async def run_node(config: NodeConfig) -> None:
-    sock = _bind(config.host, config.api_port)
-    shown_host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
-    base_url = f"http://{shown_host}:{config.api_port}"
-    node_id = load_node_id(config.data_dir)
-    master = _open_master(node_id, config.data_dir)
-    publish = _Publisher(master)
-    logger.info(f"node {node_id}: event log at index {master.state.last_idx + 1}")
-    publish(
-        NodeJoined(node_id=node_id, grpc_address=None, started_at_ms=now_ms()),
-        MasterElected(master_id=node_id, term=master.state.master_term + 1),
-        # Instances this node served before a restart are gone with their runners.
-        *(
-            InstanceDeleted(instance_id=i)
-            for i, instance in master.state.instances.items()
-            if instance.node_id == node_id
-        ),
-    )
+@dataclass
+class _Worker:
+    """This node's model: its instance in the cluster state and its runner."""
 
+    instance: Instance
+    runner: RunnerSupervisor
+    served: ServedModel
+
+
+async def _start_worker(config: NodeConfig, link: ClusterLink) -> _Worker:
     logger.info(f"preparing model {config.model_id} in {config.models_dir}")
     path = await anyio.to_thread.run_sync(_resolve_model, config)
     tokenizer = await anyio.to_thread.run_sync(load_tokenizer, path)
-    instance = Instance(instance_id=new_instance_id(), model_id=config.model_id, node_id=node_id)
-    publish(InstanceCreated(instance=instance))
+    instance = Instance(
+        instance_id=new_instance_id(), model_id=config.model_id, node_id=link.node_id
+    )
     runner = RunnerSupervisor(
         config.model_id,
         path,
         config.prefix_cache_bytes,
         config.data_dir / "cache",
-        on_status=lambda status, error: publish(
+        on_status=lambda status, error: link.publish(
             RunnerStatusChanged(
-                instance_id=instance.instance_id, node_id=node_id, status=status, error=error
+                instance_id=instance.instance_id, node_id=link.node_id, status=status, error=error
             )
         ),
     )
@@ -171,25 +164,113 @@ async def run_node(config: NodeConfig) -> None:
         default_temperature=temperature,
         default_top_p=top_p,
     )
-    app = create_app({config.model_id: served}, master, config.sse_keepalive_seconds)
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+    link.publish(InstanceCreated(instance=instance))
+    return _Worker(instance, runner, served)
+
+
+async def _keep_this_node_in_the_state(
+    config: NodeConfig, link: ClusterLink, joined: NodeJoined, worker: _Worker | None
+) -> None:
+    """Report telemetry, and rejoin (with the instance) after being timed out."""
+    interval = config.timing.node_timeout_seconds / 4
+    while True:
+        telemetry = await anyio.to_thread.run_sync(read_telemetry, config.models_dir)
+        link.publish(NodeTelemetryReported(node_id=link.node_id, telemetry=telemetry))
+        await anyio.sleep(interval)
+        state = link.state
+        if link.master_id is None or (
+            link.node_id in state.nodes
+            and (worker is None or worker.instance.instance_id in state.instances)
+        ):
+            continue
+        logger.warning("this node is missing from the cluster state; rejoining")
+        link.publish(joined)
+        if worker is not None:
+            link.publish(
+                InstanceCreated(instance=worker.instance),
+                RunnerStatusChanged(
+                    instance_id=worker.instance.instance_id,
+                    node_id=link.node_id,
+                    status=worker.runner.status,
+                    error=worker.runner.error,
+                ),
+            )
+
+
+async def run_node(config: NodeConfig) -> None:
+    sock = _bind(config.host, config.api_port) if config.api else None
+    shown_host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
+    base_url = f"http://{shown_host}:{config.api_port}"
+    node_id = load_node_id(config.data_dir)
+    store = _open_store(node_id, config.data_dir)
+    advertised = _advertised_host(config.host)
+    link = ClusterLink(
+        store,
+        grpc_host=config.host,
+        grpc_port=config.grpc_port,
+        advertised_host=advertised,
+        secret=config.cluster_secret,
+        static_peers=list(config.peers),
+        force_master=config.force_master,
+        timing=config.timing,
     )
-
-    async def announce_ready() -> None:
-        if await runner.wait_ready(READY_ANNOUNCE_TIMEOUT_SECONDS):
-            logger.info(f"ready: {config.model_id} is serving at {base_url}/v1")
-
-    logger.info(f"API listening on {base_url} (loading the model; requests wait for it)")
-    logger.info(f"try:\n  {_curl_example(base_url, config.model_id)}")
+    # Instances this node served before a restart are gone with their runners.
+    link.publish(
+        *(
+            InstanceDeleted(instance_id=i)
+            for i, instance in store.state.instances.items()
+            if instance.node_id == node_id
+        )
+    )
     async with anyio.create_task_group() as group:
-        group.start_soon(runner.run)
-        group.start_soon(announce_ready)
-        group.start_soon(_report_telemetry, publish, config.models_dir)
+        await group.start(_run_link, link)
+        joined = NodeJoined(
+            node_id=node_id,
+            grpc_address=link.address,
+            api_address=f"{advertised}:{config.api_port}" if config.api else None,
+            started_at_ms=now_ms(),
+        )
+        link.publish(joined)  # first: events about this node's instances need the node
+        if config.discovery:
+            discovery = MdnsDiscovery(
+                node_id,
+                config.grpc_port,
+                secret_fingerprint(config.cluster_secret),
+                addresses=None if config.host in ("0.0.0.0", "") else [advertised],
+            )
+            group.start_soon(discovery.run, lambda peer: link.add_peer_address(peer.address))
+        worker = await _start_worker(config, link) if config.worker else None
+        group.start_soon(_keep_this_node_in_the_state, config, link, joined, worker)
+        if worker is not None:
+            group.start_soon(worker.runner.run)
+            group.start_soon(_announce_ready, worker, base_url)
         try:
-            await server.serve(sockets=[sock])
+            if sock is not None:
+                models = {worker.served.model_id: worker.served} if worker else {}
+                app = create_app(models, link, config.sse_keepalive_seconds)
+                server = uvicorn.Server(
+                    uvicorn.Config(
+                        app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
+                    )
+                )
+                logger.info(f"API listening on {base_url}")
+                if worker is not None:
+                    logger.info(f"try:\n  {_curl_example(base_url, config.model_id)}")
+                await server.serve(sockets=[sock])
+            else:
+                await anyio.sleep_forever()
         finally:
             logger.info("shutting down")
-            with anyio.CancelScope(shield=True):
-                await runner.shutdown()
+            if worker is not None:
+                with anyio.CancelScope(shield=True):
+                    await worker.runner.shutdown()
             group.cancel_scope.cancel()
+
+
+async def _run_link(link: ClusterLink, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+    await link.run(on_ready=task_status.started)
+
+
+async def _announce_ready(worker: _Worker, base_url: str) -> None:
+    if await worker.runner.wait_ready(READY_ANNOUNCE_TIMEOUT_SECONDS):
+        logger.info(f"ready: {worker.served.model_id} is serving at {base_url}/v1")

@@ -66,6 +66,8 @@ def running_node(
         sys.executable, "-m", "exo.main",
         "--host", "127.0.0.1",
         "--api-port", str(port),
+        "--grpc-port", str(free_port()),
+        "--no-discovery",
         "--data-dir", str(data_dir or tmp_path / f"data-{port}"),
         "--models-dir", str(models_dir),
         *(["--model", model] if model else []),

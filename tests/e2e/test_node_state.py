@@ -51,7 +51,8 @@ def test_state_shows_this_node_its_instance_and_runner(node: NodeProcess) -> Non
 def test_events_replay_in_order_from_any_index(node: NodeProcess) -> None:
     from_start = read_events(node, 0, 3)
     assert [e["idx"] for e in from_start] == [0, 1, 2]
-    assert from_start[0]["event"]["kind"] == "node_joined"
+    # A node alone elects itself, then its join reaches its own master.
+    assert [e["event"]["kind"] for e in from_start[:2]] == ["master_elected", "node_joined"]
     assert read_events(node, 1, 2) == from_start[1:]
 
 
@@ -77,6 +78,11 @@ def test_a_restarted_node_keeps_its_id_and_history(tmp_path: Path, models_dir: P
         assert isinstance(after, dict)
         assert after["last_idx"] > before["last_idx"]
         assert after["master_term"] == before["master_term"] + 1
+        cluster = get(second, "/cluster")
+        assert isinstance(cluster, dict)
+        assert cluster["resumed_from_idx"] == before["last_idx"] + 1 or (
+            cluster["resumed_from_idx"] > before["last_idx"]
+        )
         assert old_instance not in after["instances"]  # the old runner is gone with the old process
         assert len(after["instances"]) == 1
         # The history is kept: the same events, then the new ones, with no gap.

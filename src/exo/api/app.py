@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from starlette.background import BackgroundTask
 from starlette.responses import Response
 
 from exo.api.chat_prompt import ChatPrompt, render_chat_prompt
@@ -29,6 +31,7 @@ from exo.api.openai_types import (
     ModelObject,
     PromptTokensDetails,
 )
+from exo.api.routing import cluster_models, remote_api_for
 from exo.shared.cluster_view import ClusterView
 from exo.shared.types.ids import ModelId, new_task_id
 from exo.shared.types.tasks import GenerationParams, Usage
@@ -38,6 +41,7 @@ from exo.worker.runner.supervisor import RunnerSupervisor, RunnerUnavailable
 DEFAULT_MAX_TOKENS = 1024
 KEEPALIVE_SECONDS = 10.0
 DISCONNECT_POLL_SECONDS = 0.5
+FORWARD_CONNECT_SECONDS = 5.0
 
 
 @dataclass
@@ -83,32 +87,51 @@ def create_app(
     app = FastAPI(title="exo", version="0.1.0")
     install_error_handlers(app)
 
-    def served_model(name: str) -> ServedModel:
+    def served_model(name: str) -> ServedModel | str:
+        """The local model, or the API address of a node that serves it."""
         model = models.get(ModelId(name))
-        if model is None:
-            available = ", ".join(models) or "none"
-            raise APIError(
-                404,
-                f"The model {name!r} does not exist. Available models: {available}",
-                "invalid_request_error",
-                "model_not_found",
-                "model",
-            )
-        return model
+        if model is not None:
+            return model
+        remote = remote_api_for(cluster.state, ModelId(name), cluster.node_id)
+        if remote is not None:
+            return remote
+        available = ", ".join(sorted({*models, *cluster_models(cluster.state)})) or "none"
+        raise APIError(
+            404,
+            f"The model {name!r} is not served in this cluster. Available models: {available}",
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelObject(
-                    id=m.model_id,
-                    created=m.created,
-                    status=m.runner.status,
-                    context_length=m.context_length,
-                )
-                for m in models.values()
-            ]
-        )
+        local = [
+            ModelObject(
+                id=m.model_id,
+                created=m.created,
+                status=m.runner.status,
+                context_length=m.context_length,
+            )
+            for m in models.values()
+        ]
+        remote = [
+            ModelObject(id=model_id, created=0, status=status, context_length=None)
+            for model_id, status in sorted(cluster_models(cluster.state).items())
+            if model_id not in models
+        ]
+        return ModelList(data=local + remote)
+
+    @app.get("/cluster")
+    async def cluster_info() -> dict[str, Any]:
+        """This node's view of the cluster link: who is master, where the log resumed."""
+        return {
+            "node_id": cluster.node_id,
+            "address": cluster.address,
+            "master_id": cluster.master_id,
+            "resumed_from_idx": cluster.resumed_from_idx,
+            "last_applied_idx": cluster.state.last_idx,
+        }
 
     @app.get("/v1/cache/stats")
     async def cache_stats() -> dict[str, Any]:
@@ -164,6 +187,8 @@ def create_app(
         body: ChatCompletionRequest, request: Request
     ) -> Response | ChatCompletion:
         model = served_model(body.model)
+        if isinstance(model, str):
+            return await _forward(model, await request.body())
         try:
             prompt: ChatPrompt = await anyio.to_thread.run_sync(
                 render_chat_prompt, model.tokenizer, body.messages
@@ -213,6 +238,36 @@ def create_app(
         return await completion.complete(request)
 
     return app
+
+
+async def _forward(api_address: str, body: bytes) -> StreamingResponse:
+    """Relay a chat request to the node that serves the model, streaming its answer
+    back as it comes; a client that goes away closes the relay, which cancels there."""
+    client = httpx.AsyncClient(timeout=httpx.Timeout(FORWARD_CONNECT_SECONDS, read=None))
+    try:
+        upstream = await client.send(
+            client.build_request(
+                "POST",
+                f"http://{api_address}/v1/chat/completions",
+                content=body,
+                headers={"Content-Type": "application/json"},
+            ),
+            stream=True,
+        )
+    except httpx.HTTPError as error:
+        await client.aclose()
+        raise _runner_unavailable(f"the node at {api_address} did not answer: {error}") from error
+
+    async def close() -> None:
+        await upstream.aclose()
+        await client.aclose()
+
+    return StreamingResponse(
+        upstream.aiter_raw(),
+        status_code=upstream.status_code,
+        media_type=upstream.headers.get("content-type"),
+        background=BackgroundTask(close),
+    )
 
 
 @dataclass

@@ -137,7 +137,7 @@ class ModelObject(BaseModel):
     created: int
     owned_by: str = "exo"
     status: str
-    context_length: int
+    context_length: int | None  # None: served by another node
 
 
 class ModelList(BaseModel):

@@ -34,6 +34,7 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
             node = NodeInfo(
                 node_id=event.node_id,
                 grpc_address=event.grpc_address,
+                api_address=event.api_address,
                 started_at_ms=event.started_at_ms,
                 telemetry=known.telemetry if known else None,
                 last_seen_ms=indexed.at_ms,

@@ -10,6 +10,9 @@ from exo.shared.types.state import State
 
 class ClusterView(Protocol):
     node_id: NodeId
+    master_id: NodeId | None
+    address: str
+    resumed_from_idx: int
 
     @property
     def state(self) -> State: ...

@@ -14,6 +14,7 @@ class NodeJoined(FrozenModel):
     kind: Literal["node_joined"] = "node_joined"
     node_id: NodeId
     grpc_address: str | None  # None: the node has no cluster link
+    api_address: str | None = None  # host:port of its HTTP API, None without one
     started_at_ms: int
 
 
@@ -74,3 +75,4 @@ class IndexedEvent(FrozenModel):
 
 
 indexed_event_adapter: TypeAdapter[IndexedEvent] = TypeAdapter(IndexedEvent)
+event_adapter: TypeAdapter[Event] = TypeAdapter(Event)

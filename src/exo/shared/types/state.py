@@ -23,6 +23,7 @@ class NodeTelemetry(FrozenModel):
 class NodeInfo(FrozenModel):
     node_id: NodeId
     grpc_address: str | None
+    api_address: str | None = None
     started_at_ms: int
     telemetry: NodeTelemetry | None = None
     # Master-assigned time of the last event heard from this node.

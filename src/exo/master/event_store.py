@@ -1,8 +1,11 @@
-"""The master: the only writer of cluster state.
+"""A node's copy of the cluster history: the indexed events it has applied.
 
-It turns events published by nodes into indexed events (`idx` 0, 1, 2, ...
-with no gaps), appends them to its on-disk log, folds them into its state and
-hands them to subscribers, which replay from any index and then follow live.
+Every node keeps one: the event log on disk, the state folded from it, and
+subscriptions that replay from any index and then follow live. The master
+also *indexes* events (`publish`): it turns events published by nodes into
+indexed events (`idx` 0, 1, 2, ... with no gaps). Followers `ingest` the
+master's indexed events as they are, so a node that becomes master continues
+the same sequence.
 """
 
 import time
@@ -11,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from functools import reduce
 
 import anyio
+from loguru import logger
 
 from exo.master.event_log import EventLog
 from exo.shared.apply import apply
@@ -40,7 +44,11 @@ def timed_out_nodes(state: State, now: int, timeout_ms: int, keep: NodeId) -> li
     )
 
 
-class Master:
+class EventGap(Exception):
+    """Indexed events arrived that do not continue this node's log."""
+
+
+class EventStore:
     def __init__(self, node_id: NodeId, log: EventLog) -> None:
         self.node_id = node_id
         self._log = log
@@ -51,6 +59,47 @@ class Master:
     @property
     def state(self) -> State:
         return self._state
+
+    @property
+    def next_idx(self) -> int:
+        return self._log.next_idx
+
+    def ingest(self, events: Sequence[IndexedEvent]) -> int:
+        """Append the master's indexed events; ones already held are skipped.
+        Returns how many were new."""
+        fresh = [e for e in events if e.idx >= self._log.next_idx]
+        for expected, event in enumerate(fresh, start=self._log.next_idx):
+            if event.idx != expected:
+                raise EventGap(f"expected event {expected}, got {event.idx}")
+        self._append(fresh)
+        return len(fresh)
+
+    def event_at(self, idx: int) -> IndexedEvent | None:
+        for _, payload in self._log.read_from(idx):
+            return indexed_event_adapter.validate_json(payload)
+        return None
+
+    def reset(self) -> None:
+        """Set this node's history aside and start empty: it diverged from the
+        master's (e.g. this node indexed events as master that never reached the
+        others), and the master's history is the one the cluster keeps."""
+        path = self._log.path
+        self._log.close()
+        aside = path.with_name(f"{path.name}.diverged-{now_ms()}")
+        path.rename(aside)
+        logger.warning(f"event history diverged from the master's; kept it as {aside.name}")
+        self._log = EventLog.open(path)
+        self._state = State()
+        self._appended.set()
+        self._appended = anyio.Event()
+
+    def _append(self, indexed: Sequence[IndexedEvent]) -> None:
+        if not indexed:
+            return
+        self._log.append([indexed_event_adapter.dump_json(e) for e in indexed])
+        self._state = reduce(apply, indexed, self._state)
+        self._appended.set()
+        self._appended = anyio.Event()
 
     def publish(self, origin: NodeId, events: Sequence[tuple[str, Event]]) -> list[IndexedEvent]:
         """Index, persist and apply `(event_id, event)` pairs; an id seen before
@@ -71,10 +120,7 @@ class Master:
             IndexedEvent(idx=first + i, at_ms=at, origin=origin, event=event)
             for i, event in enumerate(fresh)
         ]
-        self._log.append([indexed_event_adapter.dump_json(e) for e in indexed])
-        self._state = reduce(apply, indexed, self._state)
-        self._appended.set()
-        self._appended = anyio.Event()
+        self._append(indexed)
         return indexed
 
     def time_out_silent_nodes(self, timeout_ms: int) -> list[NodeId]:

@@ -4,7 +4,7 @@ import anyio
 import pytest
 
 from exo.master.event_log import EventLog
-from exo.master.master import Master, timed_out_nodes
+from exo.master.event_store import EventGap, EventStore, timed_out_nodes
 from exo.shared.types.events import IndexedEvent, MasterElected, NodeJoined
 from exo.shared.types.ids import NodeId
 from exo.shared.types.state import NodeInfo, State
@@ -16,8 +16,8 @@ def joined(node_id: NodeId) -> NodeJoined:
     return NodeJoined(node_id=node_id, grpc_address=None, started_at_ms=1)
 
 
-def open_master(path: Path) -> Master:
-    return Master(A, EventLog.open(path / "events.log"))
+def open_master(path: Path) -> EventStore:
+    return EventStore(A, EventLog.open(path / "events.log"))
 
 
 def test_publish_indexes_persists_and_applies(tmp_path: Path) -> None:
@@ -91,3 +91,16 @@ async def test_subscribe_replays_then_follows(tmp_path: Path) -> None:
             master.publish(C, [("late2", joined(C))])
     assert [e.idx for e in received] == [1, 2, 3, 4]
     assert [e.origin for e in received[-2:]] == [B, C]
+
+
+def test_a_follower_ingests_the_masters_events_and_can_take_over(tmp_path: Path) -> None:
+    master = EventStore(A, EventLog.open(tmp_path / "a.log"))
+    follower = EventStore(B, EventLog.open(tmp_path / "b.log"))
+    indexed = master.publish(A, [("e1", joined(A)), ("e2", MasterElected(master_id=A, term=1))])
+    assert follower.ingest(indexed[:1]) == 1
+    assert follower.ingest(indexed) == 1  # the first one again is skipped
+    assert follower.state == master.state
+    with pytest.raises(EventGap):
+        follower.ingest([indexed[0].model_copy(update={"idx": 5})])
+    # The follower becomes master: it continues the same sequence.
+    assert follower.publish(B, [("e3", joined(B))])[0].idx == 2

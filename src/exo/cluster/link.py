@@ -1,0 +1,414 @@
+"""The cluster link of a node: gRPC server and clients, membership, election,
+the master's event stream and this node's outbox of local events.
+
+Every node serves its copy of the event history (`SubscribeEvents`), so a
+follower can catch up from any peer and a new master continues the same index
+sequence. Local events go to the master (`PublishEvents`), acknowledged and
+retried until they are; the master deduplicates them by id.
+"""
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TypedDict
+
+import anyio
+import grpc
+import grpc.aio
+from loguru import logger
+from pydantic import ValidationError
+
+from exo.cluster.auth import cluster_channel, cluster_server, secret_fingerprint
+from exo.cluster.proto import cluster_pb2 as pb
+from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
+from exo.master.event_store import EventGap, EventStore
+from exo.shared.election import Candidate, elect
+from exo.shared.types.events import (
+    Event,
+    IndexedEvent,
+    MasterElected,
+    event_adapter,
+    indexed_event_adapter,
+)
+from exo.shared.types.ids import NodeId
+
+RPC_TIMEOUT_SECONDS = 2.0
+# How long a silent subscription waits before it reconnects (it also re-checks the master).
+SUBSCRIPTION_IDLE_SECONDS = 5.0
+OUTBOX_BATCH = 256
+# A follower this far ahead of the master's reported index holds a fork (the
+# report is up to a heartbeat old, hence some slack).
+MAX_LEAD_EVENTS = 1000
+
+
+class _HelloFields(TypedDict):
+    node_id: str
+    address: str
+    started_at_ms: int
+    force_master: bool
+    last_applied_idx: int
+    master_id: str
+    term: int
+
+
+@dataclass(frozen=True)
+class LinkTiming:
+    heartbeat_seconds: float = 1.0
+    # A peer not heard from for this long is dropped from membership (and elections).
+    peer_timeout_seconds: float = 5.0
+    # The master times out a node whose events stopped for this long.
+    node_timeout_seconds: float = 20.0
+
+
+@dataclass
+class PeerView:
+    node_id: NodeId
+    address: str
+    started_at_ms: int
+    force_master: bool
+    last_applied_idx: int
+    master_id: NodeId | None
+    heard_at: float  # monotonic
+
+
+@dataclass
+class _Outbox:
+    pending: list[tuple[str, Event]] = field(default_factory=list)
+    wake: anyio.Event = field(default_factory=anyio.Event)
+
+    def put(self, events: list[tuple[str, Event]]) -> None:
+        self.pending.extend(events)
+        self.wake.set()
+
+
+class ClusterLink:
+    def __init__(
+        self,
+        store: EventStore,
+        grpc_host: str,
+        grpc_port: int,
+        advertised_host: str,
+        secret: str,
+        static_peers: list[str],
+        force_master: bool = False,
+        timing: LinkTiming = LinkTiming(),
+    ) -> None:
+        self.store = store
+        self.node_id = store.node_id
+        self.address = f"{advertised_host}:{grpc_port}"
+        self._bind = f"{grpc_host}:{grpc_port}"
+        self.secret = secret
+        self.force_master = force_master
+        self.started_at_ms = int(time.time() * 1000)
+        self._started_monotonic = time.monotonic()
+        self.timing = timing
+        self.master_id: NodeId | None = None
+        self.resumed_from_idx = store.next_idx
+        self._addresses: set[str] = set(static_peers) - {self.address}
+        self._peers: dict[NodeId, PeerView] = {}
+        self._outbox = _Outbox()
+        self._master_changed = anyio.Event()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    # -- what other components use -------------------------------------------------
+
+    @property
+    def state(self):
+        return self.store.state
+
+    def subscribe(self, from_idx: int) -> AsyncIterator[IndexedEvent]:
+        return self.store.subscribe(from_idx)
+
+    def publish(self, *events: Event) -> None:
+        """Send this node's events to the master (acknowledged, retried, deduplicated)."""
+        self._outbox.put([(uuid.uuid4().hex, e) for e in events])
+
+    def add_peer_address(self, address: str) -> None:
+        if address != self.address and address not in self._addresses:
+            logger.info(f"peer address {address} discovered")
+            self._addresses.add(address)
+
+    def peers(self) -> list[PeerView]:
+        return sorted(self._peers.values(), key=lambda p: p.node_id)
+
+    # -- running ---------------------------------------------------------------------
+
+    async def run(self, on_ready: Callable[[], None] = lambda: None) -> None:
+        server = cluster_server(self.secret)
+        pb_grpc.add_ClusterServicer_to_server(_Servicer(self), server)
+        if server.add_insecure_port(self._bind) == 0:
+            raise OSError(f"cannot listen for gRPC on {self._bind}")
+        await server.start()
+        logger.info(
+            f"node {self.node_id}: gRPC on {self._bind} (cluster {secret_fingerprint(self.secret)}), "
+            f"event log resumes at index {self.resumed_from_idx}"
+        )
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._membership_loop)
+                group.start_soon(self._follow_loop)
+                group.start_soon(self._outbox_loop)
+                group.start_soon(self._master_duties_loop)
+                on_ready()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await server.stop(grace=1)
+                for channel in self._channels.values():
+                    await channel.close()
+
+    def _stub(self, address: str) -> pb_grpc.ClusterStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = cluster_channel(address, self.secret)
+        return pb_grpc.ClusterStub(channel)
+
+    def hello_view(self) -> "_HelloFields":
+        return {
+            "node_id": self.node_id,
+            "address": self.address,
+            "started_at_ms": self.started_at_ms,
+            "force_master": self.force_master,
+            "last_applied_idx": self.store.next_idx - 1,
+            "master_id": self.master_id or "",
+            "term": self.store.state.master_term,
+        }
+
+    # -- membership and election -------------------------------------------------
+
+    async def _hello(self, address: str) -> None:
+        try:
+            reply: pb.HelloReply = await self._stub(address).Hello(
+                pb.HelloRequest(**self.hello_view()), timeout=RPC_TIMEOUT_SECONDS
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                logger.warning(f"peer {address} rejected our cluster secret: {error.details()}")
+            return
+        self._heard(reply)
+
+    def _heard(self, view: pb.HelloRequest | pb.HelloReply) -> None:
+        node_id = NodeId(view.node_id)
+        if node_id == self.node_id:
+            return
+        if node_id not in self._peers:
+            logger.info(f"node {node_id} joined at {view.address}")
+        self._peers[node_id] = PeerView(
+            node_id=node_id,
+            address=view.address,
+            started_at_ms=view.started_at_ms,
+            force_master=view.force_master,
+            last_applied_idx=view.last_applied_idx,
+            master_id=NodeId(view.master_id) if view.master_id else None,
+            heard_at=time.monotonic(),
+        )
+        self._addresses.add(view.address)
+        if isinstance(view, pb.HelloReply):
+            for peer in view.peers:
+                if peer.node_id != self.node_id:
+                    self._addresses.add(peer.address)
+
+    async def _membership_loop(self) -> None:
+        while True:
+            async with anyio.create_task_group() as group:
+                for address in list(self._addresses):
+                    group.start_soon(self._hello, address)
+            self._drop_silent_peers()
+            await self._elect()
+            await anyio.sleep(self.timing.heartbeat_seconds)
+
+    def _drop_silent_peers(self) -> None:
+        deadline = time.monotonic() - self.timing.peer_timeout_seconds
+        for node_id, peer in list(self._peers.items()):
+            if peer.heard_at < deadline:
+                logger.warning(f"node {node_id} at {peer.address} stopped answering")
+                del self._peers[node_id]
+
+    async def _elect(self) -> None:
+        if self.master_id is None and not self._settled():
+            return
+        candidates = [Candidate(self.node_id, self.started_at_ms, self.force_master)] + [
+            Candidate(p.node_id, p.started_at_ms, p.force_master) for p in self._peers.values()
+        ]
+        master = elect(candidates, incumbent=self.master_id)
+        if master == self.master_id:
+            return
+        logger.info(f"master is now {master} (was {self.master_id})")
+        self.master_id = master
+        self._master_changed.set()
+        self._master_changed = anyio.Event()
+        if master == self.node_id:
+            await self._take_over()
+
+    def _settled(self) -> bool:
+        """Before a first election: every known peer answered, or a peer timeout
+        passed, so a node does not start a history of its own beside a cluster."""
+        waited = time.monotonic() - self._started_monotonic
+        heard = {p.address for p in self._peers.values()}
+        return waited >= self.timing.peer_timeout_seconds or self._addresses <= heard
+
+    async def _take_over(self) -> None:
+        """Catch up from the most advanced peer, then continue the sequence as master."""
+        ahead = max(self._peers.values(), key=lambda p: p.last_applied_idx, default=None)
+        if ahead is not None and ahead.last_applied_idx >= self.store.next_idx:
+            with anyio.move_on_after(self.timing.peer_timeout_seconds):
+                await self._pull(ahead.address, until=ahead.last_applied_idx)
+        term = self.store.state.master_term + 1
+        self.store.publish(
+            self.node_id, [(uuid.uuid4().hex, MasterElected(master_id=self.node_id, term=term))]
+        )
+        logger.info(f"node {self.node_id} is master (term {term}) at index {self.store.next_idx}")
+
+    # -- the event stream --------------------------------------------------------
+
+    async def _pull(self, address: str, until: int | None = None) -> None:
+        """Ingest indexed events from `address` (to `until`, or while they come).
+
+        The stream starts one event back, at the last one this node holds: if
+        the peer's differs, this node's history diverged and is set aside.
+        """
+        overlap = max(0, self.store.next_idx - 1)
+        stream = self._stub(address).SubscribeEvents(pb.SubscribeRequest(from_idx=overlap))
+        envelopes = aiter(stream)
+        try:
+            while until is None or self.store.next_idx <= until:
+                with anyio.fail_after(SUBSCRIPTION_IDLE_SECONDS):
+                    envelope = await anext(envelopes, None)
+                if envelope is None:
+                    return
+                event = indexed_event_adapter.validate_json(envelope.payload)
+                if event.idx < self.store.next_idx:
+                    if event != self.store.event_at(event.idx):
+                        self.store.reset()
+                        return
+                    continue
+                self.store.ingest([event])
+        finally:
+            stream.cancel()
+
+    async def _follow_loop(self) -> None:
+        while True:
+            changed = self._master_changed
+            master = self._peers.get(self.master_id) if self.master_id else None
+            if master is None:  # we are master, or none is known yet
+                await _wait(changed, self.timing.heartbeat_seconds)
+                continue
+            if self.store.next_idx - 1 > master.last_applied_idx + MAX_LEAD_EVENTS:
+                self.store.reset()  # we hold events the master never had: a fork
+            with anyio.move_on_after(SUBSCRIPTION_IDLE_SECONDS * 4) as scope:
+                async with anyio.create_task_group() as group:
+
+                    async def stop_on_change(
+                        scope: anyio.CancelScope = group.cancel_scope,
+                        changed: anyio.Event = changed,
+                    ) -> None:
+                        await changed.wait()
+                        scope.cancel()
+
+                    group.start_soon(stop_on_change)
+                    try:
+                        await self._pull(master.address)
+                    except (grpc.aio.AioRpcError, TimeoutError, EventGap, ValidationError) as error:
+                        logger.debug(f"event stream from {master.node_id} ended: {error}")
+                        await _wait(changed, self.timing.heartbeat_seconds)
+                    group.cancel_scope.cancel()
+            if scope.cancelled_caught:
+                continue
+
+    async def _outbox_loop(self) -> None:
+        while True:
+            if not self._outbox.pending:
+                self._outbox.wake = anyio.Event()
+                await _wait(self._outbox.wake, self.timing.heartbeat_seconds)
+                continue
+            batch = self._outbox.pending[:OUTBOX_BATCH]
+            if await self._deliver(batch):
+                del self._outbox.pending[: len(batch)]
+            else:
+                await anyio.sleep(self.timing.heartbeat_seconds / 2)
+
+    async def _deliver(self, batch: list[tuple[str, Event]]) -> bool:
+        if self.master_id == self.node_id:
+            self.store.publish(self.node_id, batch)
+            return True
+        master = self._peers.get(self.master_id) if self.master_id else None
+        if master is None:
+            return False
+        envelopes = [
+            pb.LocalEventEnvelope(id=i, origin=self.node_id, payload=event_adapter.dump_json(e))
+            for i, e in batch
+        ]
+        try:
+            ack: pb.Ack = await self._stub(master.address).PublishEvents(
+                pb.EventBatch(events=envelopes), timeout=RPC_TIMEOUT_SECONDS
+            )
+        except grpc.aio.AioRpcError as error:
+            logger.debug(f"publishing to {master.node_id} failed: {error.code()}")
+            return False
+        return ack.ok
+
+    async def _master_duties_loop(self) -> None:
+        while True:
+            await anyio.sleep(self.timing.heartbeat_seconds)
+            if self.master_id == self.node_id:
+                gone = self.store.time_out_silent_nodes(
+                    int(self.timing.node_timeout_seconds * 1000)
+                )
+                for node_id in gone:
+                    logger.warning(f"node {node_id} timed out; its instances are removed")
+
+
+async def _wait(event: anyio.Event, timeout: float) -> None:
+    with anyio.move_on_after(timeout):
+        await event.wait()
+
+
+class _Servicer(pb_grpc.ClusterServicer):
+    def __init__(self, link: ClusterLink) -> None:
+        self.link = link
+
+    async def Hello(
+        self, request: pb.HelloRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HelloReply:
+        self.link._heard(request)
+        peers = [pb.Peer(node_id=p.node_id, address=p.address) for p in self.link.peers()]
+        return pb.HelloReply(**self.link.hello_view(), peers=peers)
+
+    async def PublishEvents(
+        self, request: pb.EventBatch, context: grpc.aio.ServicerContext
+    ) -> pb.Ack:
+        link = self.link
+        if link.master_id != link.node_id:
+            return pb.Ack(ok=False, message=f"not the master (master is {link.master_id})")
+        try:
+            by_origin: dict[str, list[tuple[str, Event]]] = {}
+            for envelope in request.events:
+                event = event_adapter.validate_json(envelope.payload)
+                by_origin.setdefault(envelope.origin, []).append((envelope.id, event))
+        except ValidationError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad event: {error}")
+            raise
+        for origin, events in by_origin.items():
+            link.store.publish(NodeId(origin), events)
+        return pb.Ack(ok=True)
+
+    async def SubscribeEvents(
+        self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.IndexedEventEnvelope]:
+        async for indexed in self.link.store.subscribe(max(0, request.from_idx)):
+            yield pb.IndexedEventEnvelope(
+                idx=indexed.idx, payload=indexed_event_adapter.dump_json(indexed)
+            )
+
+    async def Elect(
+        self, request: pb.ElectionMessage, context: grpc.aio.ServicerContext
+    ) -> pb.ElectionMessage:
+        view = self.link.hello_view()
+        return pb.ElectionMessage(
+            node_id=self.link.node_id,
+            started_at_ms=self.link.started_at_ms,
+            force_master=self.link.force_master,
+            term=self.link.store.state.master_term,
+            master_id=self.link.master_id or "",
+            last_idx=view["last_applied_idx"],
+        )
