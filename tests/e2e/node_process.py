@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -28,6 +29,34 @@ class NodeProcess:
     process: subprocess.Popen[bytes]
     base_url: str
     log_path: Path
+    grpc_address: str
+    args: list[str]
+
+    def get(self, path: str) -> Any:
+        response = httpx.get(f"{self.base_url}{path}", timeout=5)
+        response.raise_for_status()
+        return response.json()
+
+    def wait_for_api(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exo exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                self.get("/cluster")
+                return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise TimeoutError(f"API not up after {timeout}s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(STOP_TIMEOUT_SECONDS)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -52,6 +81,38 @@ class NodeProcess:
         raise TimeoutError(f"runner not {status!r} after {timeout}s:\n{self.log()}")
 
 
+def start_node(
+    tmp_path: Path,
+    models_dir: Path,
+    *extra_args: str,
+    model: str | None = None,
+    data_dir: Path | None = None,
+    grpc_port: int | None = None,
+) -> NodeProcess:
+    """Start `exo` (not waiting for anything); `stop()` it when done."""
+    port = free_port()
+    grpc_port = grpc_port or free_port()
+    log_path = tmp_path / f"exo-{port}.log"
+    args = [
+        sys.executable, "-m", "exo.main",
+        "--host", "127.0.0.1",
+        "--api-port", str(port),
+        "--grpc-port", str(grpc_port),
+        "--no-discovery",
+        "--data-dir", str(data_dir or tmp_path / f"data-{port}"),
+        "--models-dir", str(models_dir),
+        *(["--model", model] if model else []),
+        *extra_args,
+    ]  # fmt: skip
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()
+        )
+    return NodeProcess(
+        process, f"http://127.0.0.1:{port}", log_path, f"127.0.0.1:{grpc_port}", args
+    )
+
+
 @contextmanager
 def running_node(
     tmp_path: Path,
@@ -60,31 +121,13 @@ def running_node(
     model: str | None = None,
     data_dir: Path | None = None,
 ) -> Iterator[NodeProcess]:
-    port = free_port()
-    log_path = tmp_path / f"exo-{port}.log"
-    args = [
-        sys.executable, "-m", "exo.main",
-        "--host", "127.0.0.1",
-        "--api-port", str(port),
-        "--grpc-port", str(free_port()),
-        "--no-discovery",
-        "--data-dir", str(data_dir or tmp_path / f"data-{port}"),
-        "--models-dir", str(models_dir),
-        *(["--model", model] if model else []),
-        *extra_args,
-    ]  # fmt: skip
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy()
-        )
-    node = NodeProcess(process, f"http://127.0.0.1:{port}", log_path)
+    """A node whose runner is ready (or whose API is up, with `--no-worker`)."""
+    node = start_node(tmp_path, models_dir, *extra_args, model=model, data_dir=data_dir)
     try:
-        node.wait_for_runner("ready")
+        if "--no-worker" in extra_args:
+            node.wait_for_api()
+        else:
+            node.wait_for_runner("ready")
         yield node
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(STOP_TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(STOP_TIMEOUT_SECONDS)
+        node.stop()

@@ -1,0 +1,232 @@
+"""Several real `exo` processes on loopback ports (static peers, real gRPC)."""
+
+import hashlib
+import json
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from exo.cluster.auth import cluster_channel
+from exo.cluster.proto import cluster_pb2 as pb
+from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
+from tests.e2e.node_process import NodeProcess, free_port, start_node
+
+pytestmark = pytest.mark.slow
+
+NODE_TIMEOUT = "6"
+SECRET = "test-secret"
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if last:
+                return last
+        except Exception as error:  # a node may be restarting
+            last = error
+        time.sleep(0.2)
+    raise TimeoutError(f"{what}: not within {timeout}s (last: {last!r})")
+
+
+def digest(state: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
+def agreed(nodes: list[NodeProcess]) -> str | None:
+    """The shared master id when all nodes hold the same state (same index)."""
+    states = [n.get("/state") for n in nodes]
+    ids = {n.get("/node_id") for n in nodes}
+    if (
+        len({digest(s) for s in states}) == 1
+        and states[0]["master_id"]
+        and ids <= set(states[0]["nodes"])
+    ):
+        return states[0]["master_id"]
+    return None
+
+
+def events(node: NodeProcess) -> list[dict[str, Any]]:
+    import httpx
+
+    last = node.get("/state")["last_idx"]
+    found: list[dict[str, Any]] = []
+    with httpx.stream("GET", f"{node.base_url}/events", params={"from_idx": 0}, timeout=10) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                found.append(json.loads(line[6:]))
+                if found[-1]["idx"] >= last:
+                    break
+    return found
+
+
+class Cluster:
+    def __init__(self, tmp_path: Path, models_dir: Path) -> None:
+        self.tmp_path = tmp_path
+        self.models_dir = models_dir
+        self.ports = [free_port() for _ in range(3)]
+        self.peers = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        self.nodes: list[NodeProcess] = []
+
+    def start(self, i: int, *extra: str, model: str | None = None) -> NodeProcess:
+        node = start_node(
+            self.tmp_path,
+            self.models_dir,
+            "--peers", self.peers,
+            "--cluster-secret", SECRET,
+            "--node-timeout-seconds", NODE_TIMEOUT,
+            *extra,
+            *(() if model else ("--no-worker",)),
+            model=model,
+            data_dir=self.tmp_path / f"node{i}",
+            grpc_port=self.ports[i],
+        )  # fmt: skip
+        node.wait_for_api()
+        if len(self.nodes) > i:
+            self.nodes[i] = node
+        else:
+            self.nodes.append(node)
+        return node
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, models_dir: Path) -> Iterator[Cluster]:
+    started = Cluster(tmp_path, models_dir)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def test_three_nodes_agree_and_survive_the_masters_death(cluster: Cluster) -> None:
+    for i in range(3):
+        cluster.start(i)
+    master = wait_until(lambda: agreed(cluster.nodes), 30, "three nodes agreeing")
+    assert len(cluster.nodes[0].get("/state")["nodes"]) == 3
+
+    by_id = {n.get("/node_id"): n for n in cluster.nodes}
+    old_master = by_id.pop(master)
+    survivors = list(by_id.values())
+    history = events(survivors[0])
+    old_master.process.send_signal(signal.SIGKILL)
+    old_master.process.wait(10)
+    killed_at = time.monotonic()
+
+    def new_master() -> str | None:
+        views = {n.get("/cluster")["master_id"] for n in survivors}
+        return views.pop() if len(views) == 1 and master not in views else None
+
+    elected = wait_until(new_master, 10, "a new master")
+    assert time.monotonic() - killed_at < 10
+    assert elected in by_id
+    # The survivors keep the same history, continued with no gap and no fork.
+    wait_until(lambda: all(n.get("/state")["master_id"] == elected for n in survivors), 10, "state")
+    after = [events(n) for n in survivors]
+    assert after[0][: len(history)] == history
+    for log in after:
+        assert [e["idx"] for e in log] == list(range(len(log)))
+    shortest = min(len(a) for a in after)
+    assert after[0][:shortest] == after[1][:shortest]
+    # The dead master is timed out of the state.
+    wait_until(lambda: master not in survivors[0].get("/state")["nodes"], 20, "timeout")
+
+
+def test_a_restarted_node_resumes_from_its_last_index(cluster: Cluster) -> None:
+    for i in range(3):
+        cluster.start(i)
+    wait_until(lambda: agreed(cluster.nodes), 30, "agreement")
+    follower = next(n for n in cluster.nodes if n.get("/cluster")["master_id"] != n.get("/node_id"))
+    index = cluster.nodes.index(follower)
+    applied = follower.get("/state")["last_idx"]
+    follower.process.send_signal(signal.SIGKILL)
+    follower.process.wait(10)
+    restarted = cluster.start(index)
+    resumed = restarted.get("/cluster")["resumed_from_idx"]
+    assert resumed == applied + 1  # it did not replay from 0
+    wait_until(lambda: agreed(cluster.nodes), 30, "agreement after the restart")
+
+
+def test_a_node_with_the_wrong_secret_never_joins(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.start(0)
+    cluster.start(1)
+    wait_until(lambda: agreed(cluster.nodes), 30, "agreement")
+    intruder = start_node(
+        tmp_path, cluster.models_dir, "--no-worker", "--peers", cluster.peers,
+        "--cluster-secret", "wrong", data_dir=tmp_path / "intruder",
+    )  # fmt: skip
+    try:
+        intruder.wait_for_api()
+        intruder_id = intruder.get("/node_id")
+        # It waits a peer timeout for the peers it was told of, then is alone.
+        wait_until(lambda: intruder.get("/cluster")["master_id"] == intruder_id, 15, "alone")
+        for node in cluster.nodes:
+            assert intruder_id not in node.get("/state")["nodes"]
+        assert "rejected our cluster secret" in intruder.log()
+        assert "UNAUTHENTICATED" in cluster.nodes[0].log() or "wrong" in cluster.nodes[0].log()
+    finally:
+        intruder.stop()
+
+    async def call(secret: str) -> grpc.StatusCode:
+        async with cluster_channel(cluster.nodes[0].grpc_address, secret) as channel:
+            try:
+                await pb_grpc.ClusterStub(channel).Hello(pb.HelloRequest(), timeout=5)
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+        return grpc.StatusCode.OK
+
+    import anyio
+
+    assert anyio.run(call, "wrong") == grpc.StatusCode.UNAUTHENTICATED
+    assert anyio.run(call, SECRET) == grpc.StatusCode.OK
+
+
+def test_chat_through_another_node_and_timeout_of_a_silent_node(
+    cluster: Cluster, tiny_model_dir: Path
+) -> None:
+    cluster.models_dir = tiny_model_dir.parent
+    serving = cluster.start(0, model=tiny_model_dir.name)
+    serving.wait_for_runner("ready")
+    relay = cluster.start(1)
+    wait_until(lambda: agreed(cluster.nodes), 30, "agreement")
+    wait_until(
+        lambda: any(r["status"] == "ready" for r in relay.get("/state")["runners"].values()),
+        20, "the runner's status reaching the other node",
+    )  # fmt: skip
+    question = [{"role": "user", "content": "Say something."}]
+    replies = []
+    for node in (serving, relay):
+        client = openai.OpenAI(base_url=f"{node.base_url}/v1", api_key="x", timeout=60)
+        stream = client.chat.completions.create(
+            model=tiny_model_dir.name, messages=question, temperature=0, max_tokens=12,  # type: ignore[arg-type]
+            stream=True,
+        )  # fmt: skip
+        replies.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    assert replies[0] and replies[0] == replies[1]
+    assert [
+        m.id for m in openai.OpenAI(base_url=f"{relay.base_url}/v1", api_key="x").models.list().data
+    ] == [tiny_model_dir.name]
+
+    # The serving node stops answering (frozen, not dead): it is timed out, with its instance.
+    serving_id = serving.get("/node_id")
+    serving.process.send_signal(signal.SIGSTOP)
+    try:
+
+        def gone() -> bool:
+            state = relay.get("/state")
+            return serving_id not in state["nodes"] and not state["instances"]
+
+        wait_until(gone, 30, "the silent node timing out")
+    finally:
+        serving.process.send_signal(signal.SIGCONT)
