@@ -10,30 +10,26 @@ import anyio
 import anyio.abc
 import uvicorn
 from loguru import logger
-from mlx_lm.utils import load_tokenizer
 
-from exo.api.app import ServedModel, create_app
+from exo.api.app import create_app
 from exo.cluster.auth import secret_fingerprint
 from exo.cluster.discovery import MdnsDiscovery
-from exo.cluster.link import ClusterLink, LinkTiming
+from exo.cluster.link import ClusterLink, ClusterUnavailable, LinkTiming
+from exo.master.commands import CommandRejected
 from exo.master.event_log import EventLog, EventLogCorrupted
 from exo.master.event_store import EventStore, now_ms
-from exo.models.builtin import DEFAULT_MODEL_ID, BuiltinModelMissing, ensure_default_model
+from exo.models.builtin import BuiltinModelMissing
 from exo.models.gguf_import import GGUFImportError
-from exo.models.store import context_length, model_dir, sampling_defaults
+from exo.shared.types.commands import CreateInstance
 from exo.shared.types.events import (
-    InstanceCreated,
     InstanceDeleted,
     NodeJoined,
     NodeTelemetryReported,
-    RunnerStatusChanged,
 )
-from exo.shared.types.ids import ModelId, NodeId, new_instance_id
-from exo.shared.types.state import Instance
-from exo.worker.runner.supervisor import RunnerSupervisor
+from exo.shared.types.ids import InstanceId, ModelId, NodeId, new_instance_id
 from exo.worker.telemetry import read_telemetry
+from exo.worker.worker import ModelUnavailable, Worker, resolve_model
 
-READY_ANNOUNCE_TIMEOUT_SECONDS = 600.0
 EVENT_LOG_NAME = "events.log"
 
 
@@ -77,19 +73,12 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _resolve_model(config: NodeConfig) -> Path:
-    if config.model_id == DEFAULT_MODEL_ID:
-        try:
-            return ensure_default_model(config.models_dir)
-        except (BuiltinModelMissing, GGUFImportError, OSError) as error:
-            raise NodeStartupError(f"cannot prepare the built-in model: {error}") from error
-    path = model_dir(config.models_dir, config.model_id)
-    if not (path / "config.json").exists():
-        raise NodeStartupError(
-            f"model {config.model_id!r} is not in {config.models_dir}; "
-            "import one with 'exo import-gguf PATH --model-id ID'"
-        )
-    return path
+def _check_model(config: NodeConfig) -> None:
+    """Fail at start-up, with a clear message, if this node cannot serve its model."""
+    try:
+        resolve_model(config.models_dir, config.model_id)
+    except (ModelUnavailable, BuiltinModelMissing, GGUFImportError, OSError) as error:
+        raise NodeStartupError(f"cannot serve {config.model_id}: {error}") from error
 
 
 def _curl_example(base_url: str, model_id: str) -> str:
@@ -127,74 +116,45 @@ def _advertised_host(host: str) -> str:
         return "127.0.0.1"
 
 
-@dataclass
-class _Worker:
-    """This node's model: its instance in the cluster state and its runner."""
-
-    instance: Instance
-    runner: RunnerSupervisor
-    served: ServedModel
-
-
-async def _start_worker(config: NodeConfig, link: ClusterLink) -> _Worker:
-    logger.info(f"preparing model {config.model_id} in {config.models_dir}")
-    path = await anyio.to_thread.run_sync(_resolve_model, config)
-    tokenizer = await anyio.to_thread.run_sync(load_tokenizer, path)
-    instance = Instance(
-        instance_id=new_instance_id(), model_id=config.model_id, node_id=link.node_id
-    )
-    runner = RunnerSupervisor(
-        config.model_id,
-        path,
-        config.prefix_cache_bytes,
-        config.data_dir / "cache",
-        on_status=lambda status, error: link.publish(
-            RunnerStatusChanged(
-                instance_id=instance.instance_id, node_id=link.node_id, status=status, error=error
-            )
-        ),
-    )
-    temperature, top_p = sampling_defaults(path)
-    served = ServedModel(
-        model_id=config.model_id,
-        tokenizer=tokenizer,
-        context_length=context_length(path),
-        runner=runner,
-        created=int(time.time()),
-        default_temperature=temperature,
-        default_top_p=top_p,
-    )
-    link.publish(InstanceCreated(instance=instance))
-    return _Worker(instance, runner, served)
-
-
 async def _keep_this_node_in_the_state(
-    config: NodeConfig, link: ClusterLink, joined: NodeJoined, worker: _Worker | None
+    config: NodeConfig, link: ClusterLink, joined: NodeJoined, stale: frozenset[InstanceId]
 ) -> None:
-    """Report telemetry, and rejoin (with the instance) after being timed out."""
-    interval = config.timing.node_timeout_seconds / 4
+    """Report telemetry; ask for an instance of this node's model once joined; and
+    rejoin (asking again) after the master timed this node out."""
+    telemetry_every = config.timing.node_timeout_seconds / 4
+    heartbeat = config.timing.heartbeat_seconds
+    wanted = config.model_id if config.worker else None
+    last_telemetry = last_join = time.monotonic()
     while True:
-        telemetry = await anyio.to_thread.run_sync(read_telemetry, config.models_dir)
-        link.publish(NodeTelemetryReported(node_id=link.node_id, telemetry=telemetry))
-        await anyio.sleep(interval)
+        now = time.monotonic()
+        if now - last_telemetry >= telemetry_every:
+            telemetry = await anyio.to_thread.run_sync(read_telemetry, config.models_dir)
+            link.publish(NodeTelemetryReported(node_id=link.node_id, telemetry=telemetry))
+            last_telemetry = now
         state = link.state
-        if link.master_id is None or (
-            link.node_id in state.nodes
-            and (worker is None or worker.instance.instance_id in state.instances)
+        if link.master_id is not None and link.node_id not in state.nodes:
+            if now - last_join > telemetry_every:  # the join of a moment ago may be in flight
+                logger.warning("this node is missing from the cluster state; rejoining")
+                link.publish(joined)
+                last_join = now
+                wanted = config.model_id if config.worker else None
+        elif (
+            wanted is not None
+            and link.master_id is not None
+            and not stale & state.instances.keys()  # the old ones are deleted first
         ):
-            continue
-        logger.warning("this node is missing from the cluster state; rejoining")
-        link.publish(joined)
-        if worker is not None:
-            link.publish(
-                InstanceCreated(instance=worker.instance),
-                RunnerStatusChanged(
-                    instance_id=worker.instance.instance_id,
-                    node_id=link.node_id,
-                    status=worker.runner.status,
-                    error=worker.runner.error,
-                ),
-            )
+            mine = [i for i in state.instances.values() if i.node_id == link.node_id]
+            if not any(i.model_id == wanted for i in mine):
+                try:
+                    await link.send_command(
+                        CreateInstance(
+                            instance_id=new_instance_id(), model_id=wanted, node_id=link.node_id
+                        )
+                    )
+                except (CommandRejected, ClusterUnavailable) as error:
+                    logger.warning(f"could not place {wanted} on this node: {error}")
+            wanted = None
+        await anyio.sleep(heartbeat)
 
 
 async def run_node(config: NodeConfig) -> None:
@@ -215,12 +175,26 @@ async def run_node(config: NodeConfig) -> None:
         timing=config.timing,
     )
     # Instances this node served before a restart are gone with their runners.
-    link.publish(
-        *(
-            InstanceDeleted(instance_id=i)
-            for i, instance in store.state.instances.items()
-            if instance.node_id == node_id
+    stale = frozenset(i for i, inst in store.state.instances.items() if inst.node_id == node_id)
+    link.publish(*(InstanceDeleted(instance_id=i) for i in sorted(stale)))
+    if config.worker:
+        logger.info(f"preparing model {config.model_id} in {config.models_dir}")
+        await anyio.to_thread.run_sync(_check_model, config)
+
+    def announce(model_id: ModelId) -> None:
+        logger.info(f"ready: {model_id} is serving at {base_url}/v1")
+
+    worker = (
+        Worker(
+            link,
+            config.models_dir,
+            config.data_dir / "cache",
+            config.prefix_cache_bytes,
+            on_ready=announce,
+            stale=stale,
         )
+        if config.worker
+        else None
     )
     async with anyio.create_task_group() as group:
         await group.start(_run_link, link)
@@ -239,15 +213,14 @@ async def run_node(config: NodeConfig) -> None:
                 addresses=None if config.host in ("0.0.0.0", "") else [advertised],
             )
             group.start_soon(discovery.run, lambda peer: link.add_peer_address(peer.address))
-        worker = await _start_worker(config, link) if config.worker else None
-        group.start_soon(_keep_this_node_in_the_state, config, link, joined, worker)
+        group.start_soon(_keep_this_node_in_the_state, config, link, joined, stale)
         if worker is not None:
-            group.start_soon(worker.runner.run)
-            group.start_soon(_announce_ready, worker, base_url)
+            group.start_soon(worker.run)
         try:
             if sock is not None:
-                models = {worker.served.model_id: worker.served} if worker else {}
-                app = create_app(models, link, config.sse_keepalive_seconds)
+                app = create_app(
+                    worker.served if worker else {}, link, config.sse_keepalive_seconds
+                )
                 server = uvicorn.Server(
                     uvicorn.Config(
                         app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
@@ -261,16 +234,8 @@ async def run_node(config: NodeConfig) -> None:
                 await anyio.sleep_forever()
         finally:
             logger.info("shutting down")
-            if worker is not None:
-                with anyio.CancelScope(shield=True):
-                    await worker.runner.shutdown()
             group.cancel_scope.cancel()
 
 
 async def _run_link(link: ClusterLink, *, task_status: anyio.abc.TaskStatus[None]) -> None:
     await link.run(on_ready=task_status.started)
-
-
-async def _announce_ready(worker: _Worker, base_url: str) -> None:
-    if await worker.runner.wait_ready(READY_ANNOUNCE_TIMEOUT_SECONDS):
-        logger.info(f"ready: {worker.served.model_id} is serving at {base_url}/v1")

@@ -65,7 +65,8 @@ class NodeProcess:
         return httpx.get(f"{self.base_url}/health", timeout=5).json()
 
     def runner_status(self) -> str:
-        return next(iter(self.health()["runners"].values()))["status"]
+        runners = list(self.health()["runners"].values())
+        return runners[0]["status"] if runners else "none yet"
 
     def wait_for_runner(self, status: str, timeout: float = READY_TIMEOUT_SECONDS) -> None:
         deadline = time.monotonic() + timeout

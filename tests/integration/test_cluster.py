@@ -230,3 +230,53 @@ def test_chat_through_another_node_and_timeout_of_a_silent_node(
         wait_until(gone, 30, "the silent node timing out")
     finally:
         serving.process.send_signal(signal.SIGCONT)
+
+
+def test_instances_placed_and_deleted_through_any_node_start_and_stop_runners(
+    cluster: Cluster, tiny_model_dir: Path
+) -> None:
+    import httpx
+
+    cluster.models_dir = tiny_model_dir.parent
+    worker = cluster.start(0, model=tiny_model_dir.name)
+    worker.wait_for_runner("ready")
+    relay = cluster.start(1)
+    wait_until(lambda: agreed(cluster.nodes), 30, "agreement")
+    worker_id = worker.get("/node_id")
+    [instance_id] = relay.get("/state")["instances"]
+
+    response = httpx.delete(f"{relay.base_url}/instance/{instance_id}", timeout=15)
+    assert response.status_code == 200
+    wait_until(lambda: not worker.health()["runners"], 20, "the runner shutting down")
+    assert not worker.get("/state")["runners"]
+    missing = httpx.delete(f"{relay.base_url}/instance/{instance_id}", timeout=15)
+    assert missing.status_code == 404
+    assert "no instance" in missing.json()["error"]["message"]
+
+    created = httpx.post(
+        f"{relay.base_url}/instance",
+        json={"model_id": tiny_model_dir.name, "node_id": worker_id},
+        timeout=15,
+    )
+    assert created.status_code == 201
+    new_id = created.json()["instance_id"]
+    wait_until(
+        lambda: relay.get("/state")["runners"].get(new_id, {}).get("status") == "ready",
+        60, "the new runner ready",
+    )  # fmt: skip
+    bad = httpx.post(
+        f"{relay.base_url}/instance", json={"model_id": "x", "node_id": "ghost"}, timeout=15
+    )
+    assert bad.status_code == 404
+    # A model the node does not have: the runner fails, visibly in the state.
+    absent = httpx.post(
+        f"{relay.base_url}/instance",
+        json={"model_id": "absent-model", "node_id": worker_id},
+        timeout=15,
+    )
+    assert absent.status_code == 201
+    failed_id = absent.json()["instance_id"]
+    runner = wait_until(
+        lambda: relay.get("/state")["runners"].get(failed_id), 20, "a failed runner"
+    )
+    assert runner["status"] == "failed" and "absent-model" in runner["error"]

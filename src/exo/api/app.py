@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.responses import Response
 
@@ -32,8 +33,12 @@ from exo.api.openai_types import (
     PromptTokensDetails,
 )
 from exo.api.routing import cluster_models, remote_api_for
+from exo.cluster.link import ClusterUnavailable
+from exo.master.commands import CommandRejected
+from exo.models.store import InvalidModelId, validate_model_id
 from exo.shared.cluster_view import ClusterView
-from exo.shared.types.ids import ModelId, new_task_id
+from exo.shared.types.commands import Command, CreateInstance, DeleteInstance
+from exo.shared.types.ids import InstanceId, ModelId, NodeId, new_instance_id, new_task_id
 from exo.shared.types.tasks import GenerationParams, Usage
 from exo.worker.runner.protocol import Chunk, Finished, Generate, TaskFailed, TaskMessage
 from exo.worker.runner.supervisor import RunnerSupervisor, RunnerUnavailable
@@ -42,6 +47,11 @@ DEFAULT_MAX_TOKENS = 1024
 KEEPALIVE_SECONDS = 10.0
 DISCONNECT_POLL_SECONDS = 0.5
 FORWARD_CONNECT_SECONDS = 5.0
+
+
+class InstanceRequest(BaseModel):
+    model_id: str
+    node_id: str | None = None
 
 
 @dataclass
@@ -121,6 +131,37 @@ def create_app(
             if model_id not in models
         ]
         return ModelList(data=local + remote)
+
+    async def command(command: Command) -> None:
+        try:
+            await cluster.send_command(command)
+        except CommandRejected as error:
+            code = "not_found" if error.not_found else "invalid_request"
+            raise APIError(
+                404 if error.not_found else 400, str(error), "invalid_request_error", code
+            ) from error
+        except ClusterUnavailable as error:
+            raise APIError(503, str(error), "server_error", "cluster_unavailable") from error
+
+    @app.post("/instance", status_code=201)
+    async def create_instance(body: InstanceRequest) -> dict[str, str]:
+        """Serve a model on a node (this one by default); its runner starts there."""
+        try:
+            model_id = validate_model_id(body.model_id)
+        except InvalidModelId as error:
+            raise APIError(
+                400, str(error), "invalid_request_error", "invalid_request", "model_id"
+            ) from error
+        instance_id = new_instance_id()
+        node = NodeId(body.node_id) if body.node_id else cluster.node_id
+        await command(CreateInstance(instance_id=instance_id, model_id=model_id, node_id=node))
+        return {"instance_id": instance_id}
+
+    @app.delete("/instance/{instance_id}")
+    async def delete_instance(instance_id: str) -> dict[str, str]:
+        """Stop serving an instance; its runner shuts down on its node."""
+        await command(DeleteInstance(instance_id=InstanceId(instance_id)))
+        return {"deleted": instance_id}
 
     @app.get("/cluster")
     async def cluster_info() -> dict[str, Any]:

@@ -22,8 +22,10 @@ from pydantic import ValidationError
 from exo.cluster.auth import cluster_channel, cluster_server, secret_fingerprint
 from exo.cluster.proto import cluster_pb2 as pb
 from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
+from exo.master.commands import CommandRejected, decide
 from exo.master.event_store import EventGap, EventStore
 from exo.shared.election import Candidate, elect
+from exo.shared.types.commands import Command, command_adapter
 from exo.shared.types.events import (
     Event,
     IndexedEvent,
@@ -37,9 +39,14 @@ RPC_TIMEOUT_SECONDS = 2.0
 # How long a silent subscription waits before it reconnects (it also re-checks the master).
 SUBSCRIPTION_IDLE_SECONDS = 5.0
 OUTBOX_BATCH = 256
+COMMAND_TIMEOUT_SECONDS = 10.0
 # A follower this far ahead of the master's reported index holds a fork (the
 # report is up to a heartbeat old, hence some slack).
 MAX_LEAD_EVENTS = 1000
+
+
+class ClusterUnavailable(Exception):
+    """No master could be reached."""
 
 
 class _HelloFields(TypedDict):
@@ -123,6 +130,39 @@ class ClusterLink:
     def publish(self, *events: Event) -> None:
         """Send this node's events to the master (acknowledged, retried, deduplicated)."""
         self._outbox.put([(uuid.uuid4().hex, e) for e in events])
+
+    async def send_command(self, command: Command) -> None:
+        """Have the master carry out `command`; raises `CommandRejected` with its
+        reason, or `ClusterUnavailable` when no master answers in time."""
+        envelope = pb.CommandEnvelope(
+            id=uuid.uuid4().hex, origin=self.node_id, payload=command_adapter.dump_json(command)
+        )
+        with anyio.move_on_after(COMMAND_TIMEOUT_SECONDS):
+            while True:
+                if self.master_id == self.node_id:
+                    self.store.publish(
+                        self.node_id,
+                        [(uuid.uuid4().hex, e) for e in decide(self.store.state, command)],
+                    )
+                    return
+                master = self._peers.get(self.master_id) if self.master_id else None
+                if master is not None:
+                    try:
+                        await self._stub(master.address).SendCommand(
+                            envelope, timeout=RPC_TIMEOUT_SECONDS
+                        )
+                        return
+                    except grpc.aio.AioRpcError as error:
+                        if error.code() in (
+                            grpc.StatusCode.NOT_FOUND,
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                        ):
+                            raise CommandRejected(
+                                error.details() or "rejected",
+                                not_found=error.code() == grpc.StatusCode.NOT_FOUND,
+                            ) from error
+                await anyio.sleep(self.timing.heartbeat_seconds / 2)  # a master change: retry
+        raise ClusterUnavailable(f"no master answered within {COMMAND_TIMEOUT_SECONDS:.0f}s")
 
     def add_peer_address(self, address: str) -> None:
         if address != self.address and address not in self._addresses:
@@ -399,6 +439,32 @@ class _Servicer(pb_grpc.ClusterServicer):
             yield pb.IndexedEventEnvelope(
                 idx=indexed.idx, payload=indexed_event_adapter.dump_json(indexed)
             )
+
+    async def SendCommand(
+        self, request: pb.CommandEnvelope, context: grpc.aio.ServicerContext
+    ) -> pb.Ack:
+        link = self.link
+        if link.master_id != link.node_id:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"not the master ({link.master_id})"
+            )
+        try:
+            command = command_adapter.validate_json(request.payload)
+            events = decide(link.store.state, command)
+        except ValidationError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad command: {error}")
+            raise
+        except CommandRejected as error:
+            code = (
+                grpc.StatusCode.NOT_FOUND if error.not_found else grpc.StatusCode.INVALID_ARGUMENT
+            )
+            await context.abort(code, str(error))
+            raise
+        # The envelope id makes a retried command's events dedupe at the master.
+        link.store.publish(
+            NodeId(request.origin), [(f"{request.id}:{i}", e) for i, e in enumerate(events)]
+        )
+        return pb.Ack(ok=True)
 
     async def Elect(
         self, request: pb.ElectionMessage, context: grpc.aio.ServicerContext

@@ -74,6 +74,12 @@ class EventStore:
         self._append(fresh)
         return len(fresh)
 
+    async def wait_for_change(self, timeout: float) -> None:
+        """Until the next event is applied (or `timeout` passes)."""
+        appended = self._appended
+        with anyio.move_on_after(timeout):
+            await appended.wait()
+
     def event_at(self, idx: int) -> IndexedEvent | None:
         for _, payload in self._log.read_from(idx):
             return indexed_event_adapter.validate_json(payload)

@@ -3,6 +3,7 @@
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from exo.shared.types.commands import Command
 from exo.shared.types.events import IndexedEvent
 from exo.shared.types.ids import NodeId
 from exo.shared.types.state import State
@@ -18,3 +19,5 @@ class ClusterView(Protocol):
     def state(self) -> State: ...
 
     def subscribe(self, from_idx: int) -> AsyncIterator[IndexedEvent]: ...
+
+    async def send_command(self, command: Command) -> None: ...
