@@ -39,6 +39,7 @@ RPC_TIMEOUT_SECONDS = 2.0
 # How long a silent subscription waits before it reconnects (it also re-checks the master).
 SUBSCRIPTION_IDLE_SECONDS = 5.0
 OUTBOX_BATCH = 256
+INGEST_BATCH = 256
 COMMAND_TIMEOUT_SECONDS = 10.0
 # A follower this far ahead of the master's reported index holds a fork (the
 # report is up to a heartbeat old, hence some slack).
@@ -306,25 +307,50 @@ class ClusterLink:
 
         The stream starts one event back, at the last one this node holds: if
         the peer's differs, this node's history diverged and is set aside.
+        Events that arrived together are appended as one batch (one fsync).
         """
         overlap = max(0, self.store.next_idx - 1)
         stream = self._stub(address).SubscribeEvents(pb.SubscribeRequest(from_idx=overlap))
-        envelopes = aiter(stream)
-        try:
-            while until is None or self.store.next_idx <= until:
-                with anyio.fail_after(SUBSCRIPTION_IDLE_SECONDS):
-                    envelope = await anext(envelopes, None)
-                if envelope is None:
-                    return
-                event = indexed_event_adapter.validate_json(envelope.payload)
-                if event.idx < self.store.next_idx:
-                    if event != self.store.event_at(event.idx):
-                        self.store.reset()
+        send, receive = anyio.create_memory_object_stream[IndexedEvent](INGEST_BATCH)
+
+        async def read() -> None:
+            envelopes = aiter(stream)
+            async with send:
+                while True:
+                    with anyio.fail_after(SUBSCRIPTION_IDLE_SECONDS):
+                        envelope = await anext(envelopes, None)
+                    if envelope is None:
                         return
-                    continue
-                self.store.ingest([event])
+                    await send.send(indexed_event_adapter.validate_json(envelope.payload))
+
+        try:
+            async with anyio.create_task_group() as group, receive:
+                group.start_soon(read)
+                async for first in receive:
+                    batch = [first]
+                    while len(batch) < INGEST_BATCH:
+                        try:
+                            batch.append(receive.receive_nowait())
+                        except (anyio.WouldBlock, anyio.EndOfStream):
+                            break
+                    if not self._ingest(batch) or (
+                        until is not None and self.store.next_idx > until
+                    ):
+                        group.cancel_scope.cancel()
+        except* (grpc.aio.AioRpcError, TimeoutError, EventGap, ValidationError) as errors:
+            # The caller reconnects (or, taking over, goes on with what it has).
+            logger.debug(f"event stream from {address} ended: {errors.exceptions[0]!r}")
         finally:
             stream.cancel()
+
+    def _ingest(self, batch: list[IndexedEvent]) -> bool:
+        """Append the new events of `batch`; False if this node's history diverged."""
+        for event in batch:
+            if event.idx < self.store.next_idx and event != self.store.event_at(event.idx):
+                self.store.reset()
+                return False
+        self.store.ingest(batch)
+        return True
 
     async def _follow_loop(self) -> None:
         while True:
@@ -335,25 +361,19 @@ class ClusterLink:
                 continue
             if self.store.next_idx - 1 > master.last_applied_idx + MAX_LEAD_EVENTS:
                 self.store.reset()  # we hold events the master never had: a fork
-            with anyio.move_on_after(SUBSCRIPTION_IDLE_SECONDS * 4) as scope:
-                async with anyio.create_task_group() as group:
+            # Follow until the stream ends (idle, error) or the master changes.
+            async with anyio.create_task_group() as group:
 
-                    async def stop_on_change(
-                        scope: anyio.CancelScope = group.cancel_scope,
-                        changed: anyio.Event = changed,
-                    ) -> None:
-                        await changed.wait()
-                        scope.cancel()
+                async def stop_on_change(
+                    scope: anyio.CancelScope = group.cancel_scope, changed: anyio.Event = changed
+                ) -> None:
+                    await changed.wait()
+                    scope.cancel()
 
-                    group.start_soon(stop_on_change)
-                    try:
-                        await self._pull(master.address)
-                    except (grpc.aio.AioRpcError, TimeoutError, EventGap, ValidationError) as error:
-                        logger.debug(f"event stream from {master.node_id} ended: {error}")
-                        await _wait(changed, self.timing.heartbeat_seconds)
-                    group.cancel_scope.cancel()
-            if scope.cancelled_caught:
-                continue
+                group.start_soon(stop_on_change)
+                await self._pull(master.address)
+                await _wait(changed, self.timing.heartbeat_seconds / 2)
+                group.cancel_scope.cancel()
 
     async def _outbox_loop(self) -> None:
         while True:

@@ -7,19 +7,16 @@ own prints and logs go to stderr).
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
 
 from exo.engine.mlx.prefix_cache import CacheStats
+from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import TaskId
 from exo.shared.types.runner import RunnerStatus
 from exo.shared.types.tasks import FinishReason, GenerationParams, Usage
 
 
-class _Message(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-
-class Generate(_Message):
+class Generate(FrozenModel):
     kind: Literal["generate"] = "generate"
     task_id: TaskId
     tokens: list[int]
@@ -27,48 +24,48 @@ class Generate(_Message):
     system_prompt_length: int = 0
 
 
-class Cancel(_Message):
+class Cancel(FrozenModel):
     kind: Literal["cancel"] = "cancel"
     task_id: TaskId
 
 
-class Shutdown(_Message):
+class Shutdown(FrozenModel):
     kind: Literal["shutdown"] = "shutdown"
 
 
-class StatusChanged(_Message):
+class StatusChanged(FrozenModel):
     kind: Literal["status"] = "status"
     status: RunnerStatus
     error: str | None = None
 
 
-class PrefillProgress(_Message):
+class PrefillProgress(FrozenModel):
     kind: Literal["prefill_progress"] = "prefill_progress"
     task_id: TaskId
     done: int
     total: int
 
 
-class Chunk(_Message):
+class Chunk(FrozenModel):
     kind: Literal["chunk"] = "chunk"
     task_id: TaskId
     text: str
 
 
-class Finished(_Message):
+class Finished(FrozenModel):
     kind: Literal["finished"] = "finished"
     task_id: TaskId
     finish_reason: FinishReason
     usage: Usage
 
 
-class TaskFailed(_Message):
+class TaskFailed(FrozenModel):
     kind: Literal["task_failed"] = "task_failed"
     task_id: TaskId
     error: str
 
 
-class CacheStatsReport(_Message):
+class CacheStatsReport(FrozenModel):
     kind: Literal["cache_stats"] = "cache_stats"
     stats: CacheStats
 
