@@ -13,7 +13,7 @@ from loguru import logger
 
 from exo.api.app import create_app
 from exo.cluster.auth import secret_fingerprint
-from exo.cluster.discovery import MdnsDiscovery
+from exo.cluster.discovery import MdnsDiscovery, default_advertised_addresses
 from exo.cluster.link import ClusterLink, ClusterUnavailable, LinkTiming
 from exo.master.commands import CommandRejected
 from exo.master.event_log import EventLog, EventLogCorrupted
@@ -108,12 +108,11 @@ def _open_store(node_id: NodeId, data_dir: Path) -> EventStore:
 
 
 def _advertised_host(host: str) -> str:
+    """The address peers dial: the bound one, or for a wildcard bind this
+    machine's first LAN address (the same one mDNS advertises)."""
     if host not in ("0.0.0.0", "::", ""):
         return host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    return default_advertised_addresses()[0]
 
 
 async def _keep_this_node_in_the_state(

@@ -69,6 +69,7 @@ class Worker:
         # The models this node serves, by id: the API reads it on every request.
         self.served: dict[ModelId, ServedModel] = {}
         self._running: dict[InstanceId, _Running] = {}
+        self._announced: set[InstanceId] = set()
 
     async def run(self) -> None:
         async with anyio.create_task_group() as group:
@@ -100,7 +101,8 @@ class Worker:
                 error=error,
             )
         )
-        if status == "ready":
+        if status == "ready" and instance.instance_id not in self._announced:
+            self._announced.add(instance.instance_id)
             self.on_ready(instance.model_id)
 
     async def _start(self, instance: Instance, group: anyio.abc.TaskGroup) -> None:
