@@ -1,0 +1,296 @@
+"""Placement: which nodes serve which layers of a model. Pure: no I/O.
+
+Candidates are the nodes that have reported telemetry and can hold at least one
+layer; every subset of them (all nodes reach each other for now) with
+`min_nodes`..`max_nodes` members is tried. A set is feasible when each node's
+free RAM holds its layers as loaded on its backend, the embedding (first rank)
+and the norm/head (last rank), plus a KV reserve per layer. Feasible sets are
+ranked by download progress, then free RAM, then size, then node ids; `preview`
+returns all of them, best first, and `place` the best.
+
+"Free" RAM here is a node's available RAM minus a safety margin of its total RAM.
+"""
+
+from collections.abc import Mapping, Sequence
+from itertools import combinations
+
+from pydantic import Field
+
+from exo.models.cards import ModelCard, kv_bytes_per_token, memory_other, memory_per_layer
+from exo.shared.types.frozen import FrozenModel
+from exo.shared.types.ids import ModelId, NodeId
+from exo.shared.types.state import MlxBackend, NodeTelemetry, State
+
+# RAM left to the OS and other programs: this share of a node's total RAM is
+# never counted as free.
+SAFETY_MARGIN_PERCENT = 10
+# KV cache reserved per node: this many tokens (or the model's context, if
+# shorter) of KV for each of its layers. The prefix cache budget is separate.
+KV_RESERVE_TOKENS = 8192
+# Only the nodes with the most free RAM are considered: 2^8 - 1 subsets at most.
+MAX_CANDIDATE_NODES = 8
+
+
+class PlacementError(ValueError):
+    """No placement fits; the message says why, in units a user reads."""
+
+
+class PlacementRequest(FrozenModel):
+    min_nodes: int = Field(default=1, ge=1)
+    max_nodes: int | None = Field(default=None, ge=1)
+
+
+class Rank(FrozenModel):
+    node_id: NodeId
+    start_layer: int
+    end_layer: int  # exclusive
+    memory_bytes: int  # weights as loaded on the node's backend plus the KV reserve
+
+    @property
+    def n_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+
+class Placement(FrozenModel):
+    model_id: ModelId
+    ranks: tuple[Rank, ...]  # in pipeline order; layer ranges cover [0, n_layers)
+    download_progress: float  # sum over the ranks' nodes of their fractions (0..1)
+    free_bytes: int  # the nodes' free RAM together
+
+    @property
+    def node_ids(self) -> tuple[NodeId, ...]:
+        return tuple(rank.node_id for rank in self.ranks)
+
+
+def human_bytes(n: int) -> str:
+    """Decimal units with one decimal, as disk and RAM sizes are sold: "2.1 GB"."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def free_bytes(telemetry: NodeTelemetry) -> int:
+    """Available RAM minus the safety margin."""
+    margin = telemetry.ram_total * SAFETY_MARGIN_PERCENT // 100
+    return max(0, telemetry.ram_available - margin)
+
+
+def kv_reserve_per_layer(card: ModelCard, backend: MlxBackend) -> int:
+    tokens = min(card.context_length, KV_RESERVE_TOKENS)
+    return -(-kv_bytes_per_token(card, backend) * tokens // card.n_layers)
+
+
+def layer_cost(card: ModelCard, backend: MlxBackend) -> int:
+    """RAM one layer needs on `backend`: its weights and its KV reserve."""
+    return memory_per_layer(card, backend) + kv_reserve_per_layer(card, backend)
+
+
+def rank_memory(card: ModelCard, backend: MlxBackend, start: int, end: int) -> int:
+    first, last = start == 0, end == card.n_layers
+    return (end - start) * layer_cost(card, backend) + memory_other(
+        card, backend, first=first, last=last
+    )
+
+
+def _largest_remainder(n: int, weights: Sequence[int]) -> list[int]:
+    """`n` split in proportion to `weights`; leftover units go to the largest
+    remainders, ties to the larger weight, then to the earlier position."""
+    total = sum(weights)
+    if total <= 0:
+        weights, total = [1] * len(weights), len(weights)
+    counts = [n * w // total for w in weights]
+    remainders = [n * w % total for w in weights]
+    order = sorted(range(len(weights)), key=lambda i: (-remainders[i], -weights[i], i))
+    for i in order[: n - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def split_layers(
+    n_layers: int, weights: Sequence[int], caps: Sequence[int] | None = None
+) -> list[int] | None:
+    """Layer counts in proportion to `weights` (largest remainder), each at least 1
+    and at most its cap; None when impossible (fewer layers than parts, or caps
+    too small).
+
+    A part whose proportional share exceeds its cap gets its cap and the rest is
+    split again among the others, so with caps that are not binding the result
+    is the plain proportional split.
+    """
+    k = len(weights)
+    limits = list(caps) if caps is not None else [n_layers] * k
+    if (
+        k == 0
+        or n_layers < k
+        or min(limits) < 1
+        or sum(min(c, n_layers) for c in limits) < n_layers
+    ):
+        return None
+    counts = [0] * k
+    active = list(range(k))
+    left = n_layers
+    while True:
+        shares = _largest_remainder(left, [weights[i] for i in active])
+        over = [i for i, share in zip(active, shares, strict=True) if share > limits[i]]
+        if not over:
+            for i, share in zip(active, shares, strict=True):
+                counts[i] = share
+            break
+        for i in over:
+            counts[i] = limits[i]
+            left -= limits[i]
+        active = [i for i in active if i not in over]
+        if not active:
+            return None
+    for i in range(k):
+        if counts[i] == 0:
+            # Take a layer from the part with the most (the later one on ties).
+            donor = max(range(k), key=lambda j: (counts[j], j))
+            counts[donor] -= 1
+            counts[i] = 1
+    return counts
+
+
+def _order(nodes: Sequence[tuple[NodeId, NodeTelemetry]]) -> list[tuple[NodeId, NodeTelemetry]]:
+    """Most free RAM first, then node id: the pipeline order of a set."""
+    return sorted(nodes, key=lambda node: (-free_bytes(node[1]), node[0]))
+
+
+def _place_on(
+    card: ModelCard,
+    nodes: Sequence[tuple[NodeId, NodeTelemetry]],
+    progress: Mapping[NodeId, float],
+) -> Placement | None:
+    k = len(nodes)
+    budgets = [free_bytes(t) for _, t in nodes]
+    caps: list[int] = []
+    for i, (_, telemetry) in enumerate(nodes):
+        backend = telemetry.mlx_backend
+        fixed = memory_other(card, backend, first=i == 0, last=i == k - 1)
+        cost = layer_cost(card, backend)
+        room = budgets[i] - fixed
+        caps.append(0 if room < 0 else card.n_layers if cost == 0 else room // cost)
+    counts = split_layers(card.n_layers, budgets, caps)
+    if counts is None:
+        return None
+    ranks: list[Rank] = []
+    start = 0
+    for (node_id, telemetry), count in zip(nodes, counts, strict=True):
+        end = start + count
+        memory = rank_memory(card, telemetry.mlx_backend, start, end)
+        ranks.append(Rank(node_id=node_id, start_layer=start, end_layer=end, memory_bytes=memory))
+        start = end
+    return Placement(
+        model_id=card.model_id,
+        ranks=tuple(ranks),
+        download_progress=sum(min(1.0, max(0.0, progress.get(n, 0.0))) for n, _ in nodes),
+        free_bytes=sum(budgets),
+    )
+
+
+def _rank_key(placement: Placement) -> tuple[float, int, int, tuple[NodeId, ...]]:
+    return (
+        -round(placement.download_progress, 9),
+        -placement.free_bytes,
+        len(placement.ranks),
+        tuple(sorted(placement.node_ids)),
+    )
+
+
+def _model_need(card: ModelCard, backend: MlxBackend) -> int:
+    """RAM the whole model needs on one node of `backend`."""
+    return rank_memory(card, backend, 0, card.n_layers)
+
+
+def _shortfall(
+    card: ModelCard,
+    request: PlacementRequest,
+    nodes: Sequence[tuple[NodeId, NodeTelemetry]],
+    eligible: Sequence[tuple[NodeId, NodeTelemetry]],
+    candidates: Sequence[tuple[NodeId, NodeTelemetry]],
+) -> str:
+    pool = list(candidates) or _order(nodes)[:1]
+    size = min(request.max_nodes or len(pool), len(pool), card.n_layers)
+    largest = pool[:size]
+    backends: list[MlxBackend] = sorted({t.mlx_backend for _, t in largest})
+    need = max(_model_need(card, b) for b in backends)
+    have = sum(free_bytes(t) for _, t in largest)
+    ids = ", ".join(n for n, _ in largest)
+    message = (
+        f"{card.model_id} needs {human_bytes(need)}, the largest candidate set has "
+        f"{human_bytes(have)} free ({ids}; weights as loaded on {'/'.join(backends)} plus "
+        f"a KV reserve of {min(card.context_length, KV_RESERVE_TOKENS)} tokens; free RAM "
+        f"keeps {SAFETY_MARGIN_PERCENT}% of each node's RAM in reserve)"
+    )
+    eligible_ids = {n for n, _ in eligible}
+    small = [n for n, _ in nodes if n not in eligible_ids]
+    if small:
+        message += f"; too small for even one layer: {', '.join(small)}"
+    if len(candidates) < request.min_nodes:
+        message += (
+            f"; min_nodes={request.min_nodes} but only {len(candidates)} node(s) can hold a layer"
+        )
+    elif need <= have:
+        message += (
+            f"; its nodes together cannot hold all {card.n_layers} layers with the "
+            "embedding and head on the first and last node"
+        )
+    return message
+
+
+def preview(
+    card: ModelCard,
+    state: State,
+    progress: Mapping[NodeId, float] | None = None,
+    request: PlacementRequest | None = None,
+) -> list[Placement]:
+    """Every feasible placement of `card` on the cluster, best first.
+
+    `progress` is each node's downloaded fraction (0..1) of the files it would
+    need; missing nodes count 0. Raises `PlacementError` when none is feasible.
+    """
+    request = request or PlacementRequest()
+    progress = progress or {}
+    nodes = [(n, info.telemetry) for n, info in sorted(state.nodes.items()) if info.telemetry]
+    if not nodes:
+        raise PlacementError(
+            f"cannot place {card.model_id}: no node has reported its memory yet (no telemetry)"
+        )
+    if request.max_nodes is not None and request.max_nodes < request.min_nodes:
+        raise PlacementError(
+            f"max_nodes={request.max_nodes} is less than min_nodes={request.min_nodes}"
+        )
+    if request.min_nodes > len(nodes):
+        raise PlacementError(
+            f"min_nodes={request.min_nodes} but only {len(nodes)} node(s) have reported telemetry"
+        )
+    if request.min_nodes > card.n_layers:
+        raise PlacementError(
+            f"{card.model_id} has {card.n_layers} layers: it cannot be split across "
+            f"{request.min_nodes} nodes"
+        )
+    eligible = [
+        (n, t) for n, t in nodes if free_bytes(t) >= max(1, layer_cost(card, t.mlx_backend))
+    ]
+    candidates = _order(eligible)[:MAX_CANDIDATE_NODES]
+    max_nodes = min(request.max_nodes or len(candidates), len(candidates), card.n_layers)
+    placements: list[Placement] = []
+    for size in range(request.min_nodes, max_nodes + 1):
+        for subset in combinations(candidates, size):
+            placement = _place_on(card, _order(subset), progress)
+            if placement is not None:
+                placements.append(placement)
+    if not placements:
+        raise PlacementError(_shortfall(card, request, nodes, eligible, candidates))
+    return sorted(placements, key=_rank_key)
+
+
+def place(
+    card: ModelCard,
+    state: State,
+    progress: Mapping[NodeId, float] | None = None,
+    request: PlacementRequest | None = None,
+) -> Placement:
+    """The best placement (`preview`'s first); raises `PlacementError` if none fits."""
+    return preview(card, state, progress, request)[0]
