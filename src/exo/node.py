@@ -20,6 +20,7 @@ from exo.master.event_log import EventLog, EventLogCorrupted
 from exo.master.event_store import EventStore, now_ms
 from exo.models.builtin import BuiltinModelMissing
 from exo.models.gguf_import import GGUFImportError
+from exo.models.resolve import ModelUnavailable, resolve_model
 from exo.shared.types.commands import CreateInstance
 from exo.shared.types.events import (
     InstanceDeleted,
@@ -28,7 +29,7 @@ from exo.shared.types.events import (
 )
 from exo.shared.types.ids import InstanceId, ModelId, NodeId, new_instance_id
 from exo.worker.telemetry import read_telemetry
-from exo.worker.worker import ModelUnavailable, Worker, resolve_model
+from exo.worker.worker import Worker
 
 EVENT_LOG_NAME = "events.log"
 
@@ -218,7 +219,10 @@ async def run_node(config: NodeConfig) -> None:
         try:
             if sock is not None:
                 app = create_app(
-                    worker.served if worker else {}, link, config.sse_keepalive_seconds
+                    worker.served if worker else {},
+                    link,
+                    config.sse_keepalive_seconds,
+                    config.models_dir,
                 )
                 server = uvicorn.Server(
                     uvicorn.Config(

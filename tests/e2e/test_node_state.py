@@ -89,3 +89,24 @@ def test_a_restarted_node_keeps_its_id_and_history(tmp_path: Path, models_dir: P
         replay = read_events(second, 0, after["last_idx"] + 1)
         assert replay[: len(first_events)] == first_events
         assert [e["idx"] for e in replay] == list(range(after["last_idx"] + 1))
+
+
+def test_placement_previews(node: NodeProcess) -> None:
+    node_id = get(node, "/node_id")
+    previews = get(node, f"/instance/previews?model_id={DEFAULT_MODEL_ID}")
+    assert isinstance(previews, dict)
+    [best, *_] = previews["placements"]
+    [rank] = best["ranks"]
+    assert (rank["node_id"], rank["start_layer"], rank["end_layer"]) == (node_id, 0, 30)
+    assert rank["memory_bytes"] > 500_000_000  # float32 on this CPU backend
+    too_many = httpx.get(
+        f"{node.base_url}/instance/previews",
+        params={"model_id": DEFAULT_MODEL_ID, "min_nodes": 2},
+        timeout=10,
+    )
+    assert too_many.status_code == 400
+    assert "only 1 node" in too_many.json()["error"]["message"]
+    unknown = httpx.get(
+        f"{node.base_url}/instance/previews", params={"model_id": "nope"}, timeout=10
+    )
+    assert unknown.status_code == 404

@@ -5,6 +5,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -13,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.responses import Response
 
@@ -35,6 +36,9 @@ from exo.api.openai_types import (
 from exo.api.routing import cluster_models, remote_api_for
 from exo.cluster.link import ClusterUnavailable
 from exo.master.commands import CommandRejected
+from exo.master.placement import PlacementError, PlacementRequest, preview
+from exo.models.cards import card_from_folder
+from exo.models.resolve import ModelUnavailable, resolve_model
 from exo.models.store import InvalidModelId, validate_model_id
 from exo.shared.cluster_view import ClusterView
 from exo.shared.types.commands import Command, CreateInstance, DeleteInstance
@@ -93,6 +97,7 @@ def create_app(
     models: dict[ModelId, ServedModel],
     cluster: ClusterView,
     keepalive_seconds: float = KEEPALIVE_SECONDS,
+    models_dir: Path | None = None,
 ) -> FastAPI:
     app = FastAPI(title="exo", version="0.1.0")
     install_error_handlers(app)
@@ -156,6 +161,37 @@ def create_app(
         node = NodeId(body.node_id) if body.node_id else cluster.node_id
         await command(CreateInstance(instance_id=instance_id, model_id=model_id, node_id=node))
         return {"instance_id": instance_id}
+
+    @app.get("/instance/previews")
+    async def instance_previews(
+        model_id: str, min_nodes: int = 1, max_nodes: int | None = None
+    ) -> dict[str, Any]:
+        """Every feasible placement of a model on the cluster, best first, or why none fits.
+        Cards come from this node's models directory (hub cards: the placement issue)."""
+        try:
+            model = validate_model_id(model_id)
+        except InvalidModelId as error:
+            raise APIError(
+                400, str(error), "invalid_request_error", "invalid_request", "model_id"
+            ) from error
+        if models_dir is None:
+            raise APIError(
+                404, "this node has no models directory", "invalid_request_error", "model_not_found"
+            )
+        try:
+            path = await anyio.to_thread.run_sync(resolve_model, models_dir, model)
+            card = await anyio.to_thread.run_sync(card_from_folder, model, path)
+            request = PlacementRequest(min_nodes=min_nodes, max_nodes=max_nodes)
+            placements = preview(card, cluster.state, None, request)
+        except ModelUnavailable as error:
+            raise APIError(
+                404, str(error), "invalid_request_error", "model_not_found", "model_id"
+            ) from error
+        except (PlacementError, ValidationError) as error:
+            raise APIError(
+                400, str(error), "invalid_request_error", "placement_infeasible"
+            ) from error
+        return {"model_id": model, "placements": [p.model_dump(mode="json") for p in placements]}
 
     @app.delete("/instance/{instance_id}")
     async def delete_instance(instance_id: str) -> dict[str, str]:

@@ -13,8 +13,8 @@ from mlx_lm.utils import load_tokenizer
 
 from exo.api.app import ServedModel
 from exo.cluster.link import ClusterLink
-from exo.models.builtin import DEFAULT_MODEL_ID, ensure_default_model
-from exo.models.store import context_length, model_dir, sampling_defaults
+from exo.models.resolve import resolve_model
+from exo.models.store import context_length, sampling_defaults
 from exo.shared.types.events import RunnerStatusChanged
 from exo.shared.types.ids import InstanceId, ModelId
 from exo.shared.types.runner import RunnerStatus
@@ -26,28 +26,11 @@ from exo.worker.runner.supervisor import RunnerSupervisor
 REPLAN_SECONDS = 5.0
 
 
-class ModelUnavailable(Exception):
-    pass
-
-
 @dataclass
 class _Running:
     instance: Instance
     served: ServedModel | None  # None: it could not start (the state says why)
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-
-
-def resolve_model(models_dir: Path, model_id: ModelId) -> Path:
-    """The model's folder, importing the built-in model on first use."""
-    if model_id == DEFAULT_MODEL_ID:
-        return ensure_default_model(models_dir)
-    path = model_dir(models_dir, model_id)
-    if not (path / "config.json").exists():
-        raise ModelUnavailable(
-            f"model {model_id!r} is not in {models_dir}; "
-            "import one with 'exo import-gguf PATH --model-id ID'"
-        )
-    return path
 
 
 class Worker:
