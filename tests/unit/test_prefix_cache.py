@@ -882,7 +882,8 @@ def test_text_generator_with_cache_matches_cold_generation(
     frozen = {i: numpy_state(layers) for i, layers in _entry_states(cache)}
     assert len(frozen) == 1
 
-    for prompt, cached in [(turn2, 49), (branch, 30), (turn1, 49), (turn2, 69)]:
+    # The whole prompt's KV is stored (after the first token), the last token recomputed.
+    for prompt, cached in [(turn2, 50), (branch, 30), (turn1, 49), (turn2, 69)]:
         text, done = _run(warm, prompt)
         cold_text, cold_done = _run(cold, prompt)
         assert text == cold_text
@@ -898,5 +899,5 @@ def test_text_generator_with_cache_matches_cold_generation(
     assert stats.lookups == 5
     assert stats.misses == 1
     assert stats.hits_exact + stats.hits_partial == 4
-    assert stats.tokens_reused == 49 + 30 + 49 + 69
+    assert stats.tokens_reused == 50 + 30 + 49 + 69
     assert stats.entries == 3  # turn1/turn2 chain, branch

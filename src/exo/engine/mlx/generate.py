@@ -2,6 +2,7 @@
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -71,6 +72,39 @@ class TextGenerator:
             on_progress(done, total)
         return layers, match
 
+    def _first_token(
+        self, last_prompt_token: int, layers: list, sampler: Callable[[mx.array], mx.array]
+    ) -> int:
+        logits = self.model(mx.array([[last_prompt_token]]), cache=layers)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        return cast(int, sampler(logprobs).item())
+
+    def _decode(
+        self,
+        first: int,
+        tokens: Sequence[int],
+        layers: list,
+        match: PrefixMatch,
+        params: GenerationParams,
+        sampler: Callable[[mx.array], mx.array],
+        system_prompt_length: int,
+    ) -> Iterator[int]:
+        """The first token, then the rest. The prompt's KV is stored once the first
+        token is out (the cache then holds exactly the prompt), off the TTFT path."""
+        yield first
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(tokens, layers, match, system_prompt_length)
+        if params.max_tokens > 1:
+            rest = generate_step(
+                mx.array([first]),
+                self.model,
+                max_tokens=params.max_tokens - 1,
+                sampler=sampler,
+                prompt_cache=layers,
+            )
+            for token, _ in rest:
+                yield int(token)
+
     def generate(
         self,
         tokens: Sequence[int],
@@ -82,8 +116,6 @@ class TextGenerator:
         if not tokens:
             raise ValueError("the prompt has no tokens")
         layers, match = self._prefill(tokens, is_cancelled, on_progress)
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(tokens[:-1], layers, match, system_prompt_length)
         if params.seed is not None:
             mx.random.seed(params.seed)
         sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
@@ -94,14 +126,11 @@ class TextGenerator:
         finish: FinishReason = "length"
         hit_stop_string = False
         produced = 0
-        steps = generate_step(
-            mx.array(list(tokens[-1:])),
-            self.model,
-            max_tokens=params.max_tokens,
-            sampler=sampler,
-            prompt_cache=layers,
-        )
-        for token, _ in steps:
+        # The first token is computed on its own, not inside generate_step, which
+        # would start the second step before handing out the first (TTFT).
+        first = self._first_token(tokens[-1], layers, sampler)
+        steps = self._decode(first, tokens, layers, match, params, sampler, system_prompt_length)
+        for token in steps:
             produced += 1
             if token in eos:
                 finish = "stop"
