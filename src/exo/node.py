@@ -173,6 +173,7 @@ async def run_node(config: NodeConfig) -> None:
         static_peers=list(config.peers),
         force_master=config.force_master,
         timing=config.timing,
+        discovering=config.discovery,
     )
     # Instances this node served before a restart are gone with their runners.
     stale = frozenset(i for i, inst in store.state.instances.items() if inst.node_id == node_id)

@@ -280,3 +280,32 @@ def test_instances_placed_and_deleted_through_any_node_start_and_stop_runners(
         lambda: relay.get("/state")["runners"].get(failed_id), 20, "a failed runner"
     )
     assert runner["status"] == "failed" and "absent-model" in runner["error"]
+
+
+def test_two_clusters_that_meet_merge_into_one(cluster: Cluster, tmp_path: Path) -> None:
+    """A and B start alone (each its own master); C knows both, and through its
+    greetings they meet: one master wins, the other side takes its history."""
+    alone = [
+        start_node(
+            tmp_path,
+            cluster.models_dir,
+            "--no-worker",
+            "--cluster-secret",
+            SECRET,
+            "--node-timeout-seconds",
+            NODE_TIMEOUT,
+            data_dir=tmp_path / f"alone{i}",
+            grpc_port=cluster.ports[i],
+        )
+        for i in range(2)
+    ]
+    cluster.nodes.extend(alone)
+    for node in alone:
+        node.wait_for_api()
+        wait_until(lambda n=node: n.get("/cluster")["master_id"] == n.get("/node_id"), 15, "alone")
+    cluster.start(2)
+    master = wait_until(lambda: agreed(cluster.nodes), 45, "one cluster")
+    assert master in {n.get("/node_id") for n in alone}
+    for node in cluster.nodes:
+        log = events(node)
+        assert [e["idx"] for e in log] == list(range(len(log)))

@@ -77,6 +77,7 @@ class PeerView:
     force_master: bool
     last_applied_idx: int
     master_id: NodeId | None
+    term: int
     heard_at: float  # monotonic
 
 
@@ -101,6 +102,7 @@ class ClusterLink:
         static_peers: list[str],
         force_master: bool = False,
         timing: LinkTiming = LinkTiming(),
+        discovering: bool = False,
     ) -> None:
         self.store = store
         self.node_id = store.node_id
@@ -108,6 +110,8 @@ class ClusterLink:
         self._bind = f"{grpc_host}:{grpc_port}"
         self.secret = secret
         self.force_master = force_master
+        # mDNS may still find peers: the first election waits a peer timeout.
+        self.discovering = discovering
         self.started_at_ms = int(time.time() * 1000)
         self._started_monotonic = time.monotonic()
         self.timing = timing
@@ -241,6 +245,7 @@ class ClusterLink:
             force_master=view.force_master,
             last_applied_idx=view.last_applied_idx,
             master_id=NodeId(view.master_id) if view.master_id else None,
+            term=view.term,
             heard_at=time.monotonic(),
         )
         self._addresses.add(view.address)
@@ -268,10 +273,7 @@ class ClusterLink:
     async def _elect(self) -> None:
         if self.master_id is None and not self._settled():
             return
-        candidates = [Candidate(self.node_id, self.started_at_ms, self.force_master)] + [
-            Candidate(p.node_id, p.started_at_ms, p.force_master) for p in self._peers.values()
-        ]
-        master = elect(candidates, incumbent=self.master_id)
+        master = elect(self._candidates(), incumbent=self._incumbent())
         if master == self.master_id:
             return
         logger.info(f"master is now {master} (was {self.master_id})")
@@ -283,10 +285,31 @@ class ClusterLink:
 
     def _settled(self) -> bool:
         """Before a first election: every known peer answered, or a peer timeout
-        passed, so a node does not start a history of its own beside a cluster."""
+        passed (always waited when discovery may still find peers), so a node does
+        not start a history of its own beside a cluster."""
         waited = time.monotonic() - self._started_monotonic
+        if waited >= self.timing.peer_timeout_seconds:
+            return True
         heard = {p.address for p in self._peers.values()}
-        return waited >= self.timing.peer_timeout_seconds or self._addresses <= heard
+        return not self.discovering and self._addresses <= heard
+
+    def _incumbent(self) -> NodeId | None:
+        """The master to keep. When two nodes claim to be master (two clusters that
+        met, a partition that healed), the claim with the higher term wins, then
+        the election order; the other side follows and takes that history."""
+        claims = {p.node_id: p.term for p in self._peers.values() if p.master_id == p.node_id}
+        if self.master_id == self.node_id:
+            claims[self.node_id] = self.store.state.master_term
+        if len(claims) <= 1:
+            return self.master_id
+        ranks = {c.node_id: c for c in self._candidates()}
+        top = max(claims.values())
+        return elect(ranks[n] for n, term in claims.items() if term == top and n in ranks)
+
+    def _candidates(self) -> list[Candidate]:
+        return [Candidate(self.node_id, self.started_at_ms, self.force_master)] + [
+            Candidate(p.node_id, p.started_at_ms, p.force_master) for p in self._peers.values()
+        ]
 
     async def _take_over(self) -> None:
         """Catch up from the most advanced peer, then continue the sequence as master."""
