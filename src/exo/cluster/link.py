@@ -34,6 +34,7 @@ from exo.shared.types.events import (
     indexed_event_adapter,
 )
 from exo.shared.types.ids import NodeId
+from exo.shared.types.state import State
 
 RPC_TIMEOUT_SECONDS = 2.0
 # How long a silent subscription waits before it reconnects (it also re-checks the master).
@@ -126,7 +127,7 @@ class ClusterLink:
     # -- what other components use -------------------------------------------------
 
     @property
-    def state(self):
+    def state(self) -> State:
         return self.store.state
 
     def subscribe(self, from_idx: int) -> AsyncIterator[IndexedEvent]:
