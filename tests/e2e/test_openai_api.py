@@ -200,6 +200,19 @@ def test_invalid_json_is_a_400(node: NodeProcess) -> None:
     assert "JSON" in r.json()["error"]["message"]
 
 
+def long_story(stream: bool, temperature: float | None = None) -> dict[str, object]:
+    """A request whose answer takes minutes: only a cancel or a crash ends it early."""
+    body: dict[str, object] = {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+        "max_tokens": 4000,
+        "stream": stream,
+    }
+    if temperature is not None:
+        body["temperature"] = temperature
+    return body
+
+
 def _runner_process(node: NodeProcess) -> psutil.Process:
     children = psutil.Process(node.process.pid).children(recursive=True)
     runners = [c for c in children if "exo.worker.runner.runner_main" in " ".join(c.cmdline())]
@@ -208,13 +221,7 @@ def _runner_process(node: NodeProcess) -> psutil.Process:
 
 
 def test_client_disconnect_cancels_generation(node: NodeProcess) -> None:
-    body = {
-        "model": DEFAULT_MODEL_ID,
-        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
-        "max_tokens": 4000,
-        "temperature": 0.8,
-        "stream": True,
-    }
+    body = long_story(stream=True, temperature=0.8)
     with httpx.stream("POST", f"{node.base_url}/v1/chat/completions", json=body, timeout=60) as r:
         content_lines = 0
         for line in r.iter_lines():
@@ -226,24 +233,14 @@ def test_client_disconnect_cancels_generation(node: NodeProcess) -> None:
 
 
 def test_disconnect_cancels_a_non_streaming_request(node: NodeProcess) -> None:
-    body = {
-        "model": DEFAULT_MODEL_ID,
-        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
-        "max_tokens": 4000,
-        "temperature": 0.8,
-    }
+    body = long_story(stream=False, temperature=0.8)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{node.base_url}/v1/chat/completions", json=body, timeout=3)
     node.wait_for_runner("ready", timeout=10)
 
 
 def test_runner_crash_fails_the_request_and_the_node_recovers(node: NodeProcess) -> None:
-    body = {
-        "model": DEFAULT_MODEL_ID,
-        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
-        "max_tokens": 4000,
-        "stream": True,
-    }
+    body = long_story(stream=True)
     lines: list[str] = []
     started = time.monotonic()
     killed = False
