@@ -1,5 +1,6 @@
 """A node: the cluster link, a worker (model + runner) and the HTTP API."""
 
+import math
 import socket
 import time
 import uuid
@@ -124,7 +125,8 @@ async def _keep_this_node_in_the_state(
     telemetry_every = config.timing.node_timeout_seconds / 4
     heartbeat = config.timing.heartbeat_seconds
     wanted = config.model_id if config.worker else None
-    last_telemetry = last_join = time.monotonic()
+    last_join = time.monotonic()
+    last_telemetry = -math.inf  # the first report goes out at once
     while True:
         now = time.monotonic()
         if now - last_telemetry >= telemetry_every:

@@ -1,6 +1,7 @@
 """End to end: the node's event-sourced state through /state, /events and /node_id."""
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -31,10 +32,22 @@ def read_events(node: NodeProcess, from_idx: int, count: int) -> list[dict]:
     return events
 
 
+def settled_state(node: NodeProcess, timeout: float = 10.0) -> dict:
+    """The state once this node's telemetry and runner status are in it (both
+    travel as events, a moment after the runner reports ready locally)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = get(node, "/state")
+        assert isinstance(state, dict)
+        me = state["nodes"].get(get(node, "/node_id"), {})
+        if (me.get("telemetry") and state["runners"]) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.1)
+
+
 def test_state_shows_this_node_its_instance_and_runner(node: NodeProcess) -> None:
     node_id = get(node, "/node_id")
-    state = get(node, "/state")
-    assert isinstance(state, dict)
+    state = settled_state(node)
     assert state["master_id"] == node_id
     me = state["nodes"][node_id]
     assert me["telemetry"]["ram_total"] > 0
@@ -93,6 +106,7 @@ def test_a_restarted_node_keeps_its_id_and_history(tmp_path: Path, models_dir: P
 
 def test_placement_previews(node: NodeProcess) -> None:
     node_id = get(node, "/node_id")
+    settled_state(node)  # placement needs the node's telemetry
     previews = get(node, f"/instance/previews?model_id={DEFAULT_MODEL_ID}")
     assert isinstance(previews, dict)
     [best, *_] = previews["placements"]
