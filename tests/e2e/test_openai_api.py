@@ -7,7 +7,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 from exo.models.builtin import DEFAULT_MODEL_ID
 from tests.e2e.node_process import NodeProcess, running_node
@@ -28,14 +28,17 @@ def test_models_lists_the_builtin_model(node: NodeProcess) -> None:
     assert [m.id for m in models.data] == [DEFAULT_MODEL_ID]
 
 
-def test_chat_completion_answers(node: NodeProcess) -> None:
+def ask_capital(node: NodeProcess) -> ChatCompletion:
+    """The question every test can check the answer of (greedy: mentions Paris)."""
     reply = client(node).chat.completions.create(
-        model=DEFAULT_MODEL_ID,
-        messages=QUESTION,
-        temperature=0,
-        max_tokens=30,
+        model=DEFAULT_MODEL_ID, messages=QUESTION, temperature=0, max_tokens=30
     )
     assert "Paris" in (reply.choices[0].message.content or "")
+    return reply
+
+
+def test_chat_completion_answers(node: NodeProcess) -> None:
+    reply = ask_capital(node)
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage is not None and reply.usage.prompt_tokens > 10
     assert reply.usage.completion_tokens > 0
@@ -254,11 +257,5 @@ def test_runner_crash_fails_the_request_and_the_node_recovers(node: NodeProcess)
     assert any('"generation_failed"' in line and "runner failed" in line for line in lines)
     assert [line for line in lines if line][-1] == "data: [DONE]"
     node.wait_for_runner("ready", timeout=120)
-    reply = client(node).chat.completions.create(
-        model=DEFAULT_MODEL_ID,
-        messages=QUESTION,
-        temperature=0,
-        max_tokens=30,
-    )
-    assert "Paris" in (reply.choices[0].message.content or "")
+    ask_capital(node)
     assert node.health()["runners"][DEFAULT_MODEL_ID]["restarts"] >= 1

@@ -117,10 +117,6 @@ class ModelCard(FrozenModel):
         return self.embedding_bytes + self.head_bytes
 
     @property
-    def other_params(self) -> int:
-        return self.embedding_params + self.head_params
-
-    @property
     def metadata_files(self) -> tuple[str, ...]:
         """The files that are not weights (config, tokenizer, index)."""
         weights = {f.name for f in self.weight_files}
