@@ -40,7 +40,8 @@ def _node_parser() -> argparse.ArgumentParser:
         prog="exo",
         description="Run an exo node: an OpenAI-compatible API over a local MLX model. "
         "Every flag has an EXO_* environment variable equivalent.",
-        epilog="Other commands: 'exo import-gguf PATH --model-id ID' imports a llama GGUF file.",
+        epilog="Other commands: 'exo import-gguf PATH --model-id ID' imports a llama GGUF file; "
+        "'exo download MODEL' downloads a model from the Hugging Face hub.",
     )
     _flag(
         parser,
@@ -66,7 +67,20 @@ def _node_parser() -> argparse.ArgumentParser:
         "where models live, one folder each (default: DATA_DIR/models)",
         type=Path,
     )
-    _flag(parser, "--model", "EXO_MODEL", DEFAULT_MODEL_ID, "model id to serve")
+    _flag(
+        parser,
+        "--models-read-only-dirs",
+        "EXO_MODELS_READ_ONLY_DIRS",
+        "",
+        f"'{os.pathsep}'-separated model directories used in place and never written (e.g. a shared disk)",
+    )
+    _flag(
+        parser,
+        "--model",
+        "EXO_MODEL",
+        DEFAULT_MODEL_ID,
+        "model id to serve on this node from the start; 'none': only what is placed here",
+    )
     _flag(
         parser,
         "--prefix-cache-bytes",
@@ -155,6 +169,41 @@ def _import_parser() -> argparse.ArgumentParser:
     return parser  # fmt: skip
 
 
+def _download_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="exo download",
+        description="Download a model from the Hugging Face hub (HF_ENDPOINT, HF_TOKEN) into "
+        "the models directory, resuming partial files; Ctrl-C stops, running it again resumes.",
+    )
+    parser.add_argument(
+        "model_id", help="hub repo id, e.g. mlx-community/Llama-3.2-1B-Instruct-4bit"
+    )
+    _flag(
+        parser,
+        "--models-dir",
+        "EXO_MODELS_DIR",
+        str(default_data_dir() / "models"),
+        "where models live",
+        type=Path,
+    )
+    return parser  # fmt: skip
+
+
+def _download(argv: list[str]) -> None:
+    from exo.worker.downloads.cli import download_with_progress_bar
+
+    args = _download_parser().parse_args(argv)
+    try:
+        model_id = validate_model_id(args.model_id)
+    except InvalidModelId as error:
+        _fail(str(error))
+    try:
+        sys.exit(anyio.run(download_with_progress_bar, model_id, args.models_dir))
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted: run the same command again to resume\n")
+        sys.exit(130)
+
+
 def _fail(message: str) -> NoReturn:
     logger.error(message)
     sys.exit(2)
@@ -178,12 +227,15 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["import-gguf"]:
         _import_gguf(argv[1:])
         return
+    if argv[:1] == ["download"]:
+        _download(argv[1:])
+        return
     args = _node_parser().parse_args(argv)
     logger.remove()
     logger.add(sys.stderr, level=args.log_level)
     os.environ["EXO_LOG_LEVEL"] = args.log_level  # runners log at the same level
     try:
-        model_id = validate_model_id(args.model)
+        model_id = None if args.model == "none" else validate_model_id(args.model)
     except InvalidModelId as error:
         _fail(str(error))
     try:
@@ -211,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
         api=not args.no_api,
         discovery=not args.no_discovery,
         timing=LinkTiming(node_timeout_seconds=args.node_timeout_seconds),
+        read_only_models_dirs=tuple(
+            Path(d) for d in args.models_read_only_dirs.split(os.pathsep) if d.strip()
+        ),
     )
     try:
         anyio.run(run_node, config)

@@ -20,8 +20,9 @@ from exo.master.commands import CommandRejected
 from exo.master.event_log import EventLog, EventLogCorrupted
 from exo.master.event_store import EventStore, now_ms
 from exo.models.builtin import BuiltinModelMissing
+from exo.models.cards import ModelCardError, card_from_folder
 from exo.models.gguf_import import GGUFImportError
-from exo.models.resolve import ModelUnavailable, resolve_model
+from exo.models.local_store import ModelStore, ModelUnavailable
 from exo.shared.types.commands import CreateInstance
 from exo.shared.types.events import (
     InstanceDeleted,
@@ -29,8 +30,9 @@ from exo.shared.types.events import (
     NodeTelemetryReported,
 )
 from exo.shared.types.ids import InstanceId, ModelId, NodeId, new_instance_id
+from exo.shared.types.state import InstanceRank
 from exo.worker.telemetry import read_telemetry
-from exo.worker.worker import Worker
+from exo.worker.worker import Worker, publish_local_models
 
 EVENT_LOG_NAME = "events.log"
 
@@ -45,7 +47,7 @@ class NodeConfig:
     api_port: int
     data_dir: Path
     models_dir: Path
-    model_id: ModelId
+    model_id: ModelId | None  # served from the start; None: only what is placed here
     prefix_cache_bytes: int
     sse_keepalive_seconds: float
     grpc_port: int = 52414
@@ -56,6 +58,10 @@ class NodeConfig:
     api: bool = True
     discovery: bool = True
     timing: LinkTiming = field(default_factory=LinkTiming)
+    read_only_models_dirs: tuple[Path, ...] = ()
+
+    def model_store(self) -> ModelStore:
+        return ModelStore(self.models_dir, self.read_only_models_dirs)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -75,11 +81,20 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _check_model(config: NodeConfig) -> None:
-    """Fail at start-up, with a clear message, if this node cannot serve its model."""
+def _model_layers(config: NodeConfig, store: ModelStore) -> int:
+    """The layer count of this node's model; fails at start-up, with a clear
+    message, if this node cannot serve it."""
+    assert config.model_id is not None
     try:
-        resolve_model(config.models_dir, config.model_id)
-    except (ModelUnavailable, BuiltinModelMissing, GGUFImportError, OSError) as error:
+        path = store.resolve(config.model_id)
+        return card_from_folder(config.model_id, path).n_layers
+    except (
+        ModelUnavailable,
+        BuiltinModelMissing,
+        GGUFImportError,
+        ModelCardError,
+        OSError,
+    ) as error:
         raise NodeStartupError(f"cannot serve {config.model_id}: {error}") from error
 
 
@@ -118,7 +133,11 @@ def _advertised_host(host: str) -> str:
 
 
 async def _keep_this_node_in_the_state(
-    config: NodeConfig, link: ClusterLink, joined: NodeJoined, stale: frozenset[InstanceId]
+    config: NodeConfig,
+    link: ClusterLink,
+    joined: NodeJoined,
+    stale: frozenset[InstanceId],
+    n_layers: int,
 ) -> None:
     """Report telemetry; ask for an instance of this node's model once joined; and
     rejoin (asking again) after the master timed this node out."""
@@ -130,7 +149,9 @@ async def _keep_this_node_in_the_state(
     while True:
         now = time.monotonic()
         if now - last_telemetry >= telemetry_every:
-            telemetry = await anyio.to_thread.run_sync(read_telemetry, config.models_dir)
+            telemetry = await anyio.to_thread.run_sync(
+                read_telemetry, config.models_dir, config.worker
+            )
             link.publish(NodeTelemetryReported(node_id=link.node_id, telemetry=telemetry))
             last_telemetry = now
         state = link.state
@@ -145,12 +166,13 @@ async def _keep_this_node_in_the_state(
             and link.master_id is not None
             and not stale & state.instances.keys()  # the old ones are deleted first
         ):
-            mine = [i for i in state.instances.values() if i.node_id == link.node_id]
+            mine = [i for i in state.instances.values() if link.node_id in i.node_ids]
             if not any(i.model_id == wanted for i in mine):
+                rank = InstanceRank(node_id=link.node_id, start_layer=0, end_layer=n_layers)
                 try:
                     await link.send_command(
                         CreateInstance(
-                            instance_id=new_instance_id(), model_id=wanted, node_id=link.node_id
+                            instance_id=new_instance_id(), model_id=wanted, ranks=(rank,)
                         )
                     )
                 except (CommandRejected, ClusterUnavailable) as error:
@@ -166,6 +188,7 @@ async def run_node(config: NodeConfig) -> None:
     node_id = load_node_id(config.data_dir)
     store = _open_store(node_id, config.data_dir)
     advertised = _advertised_host(config.host)
+    models = config.model_store()
     link = ClusterLink(
         store,
         grpc_host=config.host,
@@ -176,13 +199,15 @@ async def run_node(config: NodeConfig) -> None:
         force_master=config.force_master,
         timing=config.timing,
         discovering=config.discovery,
+        model_store=models,
     )
     # Instances this node served before a restart are gone with their runners.
-    stale = frozenset(i for i, inst in store.state.instances.items() if inst.node_id == node_id)
+    stale = frozenset(i for i, inst in store.state.instances.items() if node_id in inst.node_ids)
     link.publish(*(InstanceDeleted(instance_id=i) for i in sorted(stale)))
-    if config.worker:
+    n_layers = 0
+    if config.worker and config.model_id is not None:
         logger.info(f"preparing model {config.model_id} in {config.models_dir}")
-        await anyio.to_thread.run_sync(_check_model, config)
+        n_layers = await anyio.to_thread.run_sync(_model_layers, config, models)
 
     def announce(model_id: ModelId) -> None:
         logger.info(f"ready: {model_id} is serving at {base_url}/v1")
@@ -190,9 +215,10 @@ async def run_node(config: NodeConfig) -> None:
     worker = (
         Worker(
             link,
-            config.models_dir,
+            models,
             config.data_dir / "cache",
             config.prefix_cache_bytes,
+            config.cluster_secret,
             on_ready=announce,
             stale=stale,
         )
@@ -208,6 +234,10 @@ async def run_node(config: NodeConfig) -> None:
             started_at_ms=now_ms(),
         )
         link.publish(joined)  # first: events about this node's instances need the node
+        if worker is not None:
+            await worker.publish_local_models()
+        else:
+            await publish_local_models(link, models)
         if config.discovery:
             discovery = MdnsDiscovery(
                 node_id,
@@ -216,7 +246,7 @@ async def run_node(config: NodeConfig) -> None:
                 addresses=None if config.host in ("0.0.0.0", "") else [advertised],
             )
             group.start_soon(discovery.run, lambda peer: link.add_peer_address(peer.address))
-        group.start_soon(_keep_this_node_in_the_state, config, link, joined, stale)
+        group.start_soon(_keep_this_node_in_the_state, config, link, joined, stale, n_layers)
         if worker is not None:
             group.start_soon(worker.run)
         try:
@@ -225,7 +255,7 @@ async def run_node(config: NodeConfig) -> None:
                     worker.served if worker else {},
                     link,
                     config.sse_keepalive_seconds,
-                    config.models_dir,
+                    worker.delete_model_files if worker else None,
                 )
                 server = uvicorn.Server(
                     uvicorn.Config(
@@ -233,7 +263,7 @@ async def run_node(config: NodeConfig) -> None:
                     )
                 )
                 logger.info(f"API listening on {base_url}")
-                if worker is not None:
+                if worker is not None and config.model_id is not None:
                     logger.info(f"try:\n  {_curl_example(base_url, config.model_id)}")
                 await server.serve(sockets=[sock])
             else:

@@ -40,7 +40,9 @@ def settled_state(node: NodeProcess, timeout: float = 10.0) -> dict:
         state = get(node, "/state")
         assert isinstance(state, dict)
         me = state["nodes"].get(get(node, "/node_id"), {})
-        if (me.get("telemetry") and state["runners"]) or time.monotonic() > deadline:
+        if (me.get("telemetry") and state["runners"] and state["downloads"]) or (
+            time.monotonic() > deadline
+        ):
             return state
         time.sleep(0.1)
 
@@ -56,9 +58,15 @@ def test_state_shows_this_node_its_instance_and_runner(node: NodeProcess) -> Non
     assert instance == {
         "instance_id": instance_id,
         "model_id": DEFAULT_MODEL_ID,
-        "node_id": node_id,
+        "ranks": [{"node_id": node_id, "start_layer": 0, "end_layer": 30}],
+        "ring_hosts": [],
     }
-    assert state["runners"][instance_id]["status"] in ("ready", "running")
+    assert state["runners"][instance_id][node_id]["status"] in ("ready", "running")
+    # The node told the cluster which models it has: the card and every file.
+    assert state["cards"][DEFAULT_MODEL_ID]["n_layers"] == 30
+    download = state["downloads"][node_id][DEFAULT_MODEL_ID]
+    assert download["status"] == "complete"
+    assert "config.json" in download["have_files"]
 
 
 def test_events_replay_in_order_from_any_index(node: NodeProcess) -> None:

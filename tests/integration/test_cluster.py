@@ -1,12 +1,8 @@
-"""Several real `exo` processes on loopback ports (static peers, real gRPC)."""
+"""Cluster behaviour with several real `exo` processes on loopback."""
 
-import hashlib
-import json
 import signal
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import openai
@@ -15,99 +11,17 @@ import pytest
 from exo.cluster.auth import cluster_channel
 from exo.cluster.proto import cluster_pb2 as pb
 from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
-from tests.e2e.node_process import NodeProcess, free_port, start_node
+from tests.e2e.node_process import start_node
+from tests.integration.cluster_process import (
+    NODE_TIMEOUT,
+    SECRET,
+    Cluster,
+    agreed,
+    events,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
-
-NODE_TIMEOUT = "6"
-SECRET = "test-secret"
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if last:
-                return last
-        except Exception as error:  # a node may be restarting
-            last = error
-        time.sleep(0.2)
-    raise TimeoutError(f"{what}: not within {timeout}s (last: {last!r})")
-
-
-def digest(state: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
-
-
-def agreed(nodes: list[NodeProcess]) -> str | None:
-    """The shared master id when all nodes hold the same state (same index)."""
-    states = [n.get("/state") for n in nodes]
-    ids = {n.get("/node_id") for n in nodes}
-    if (
-        len({digest(s) for s in states}) == 1
-        and states[0]["master_id"]
-        and ids <= set(states[0]["nodes"])
-    ):
-        return states[0]["master_id"]
-    return None
-
-
-def events(node: NodeProcess) -> list[dict[str, Any]]:
-    import httpx
-
-    last = node.get("/state")["last_idx"]
-    found: list[dict[str, Any]] = []
-    with httpx.stream("GET", f"{node.base_url}/events", params={"from_idx": 0}, timeout=10) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                found.append(json.loads(line[6:]))
-                if found[-1]["idx"] >= last:
-                    break
-    return found
-
-
-class Cluster:
-    def __init__(self, tmp_path: Path, models_dir: Path) -> None:
-        self.tmp_path = tmp_path
-        self.models_dir = models_dir
-        self.ports = [free_port() for _ in range(3)]
-        self.peers = ",".join(f"127.0.0.1:{p}" for p in self.ports)
-        self.nodes: list[NodeProcess] = []
-
-    def start(self, i: int, *extra: str, model: str | None = None) -> NodeProcess:
-        node = start_node(
-            self.tmp_path,
-            self.models_dir,
-            "--peers", self.peers,
-            "--cluster-secret", SECRET,
-            "--node-timeout-seconds", NODE_TIMEOUT,
-            *extra,
-            *(() if model else ("--no-worker",)),
-            model=model,
-            data_dir=self.tmp_path / f"node{i}",
-            grpc_port=self.ports[i],
-        )  # fmt: skip
-        node.wait_for_api()
-        if len(self.nodes) > i:
-            self.nodes[i] = node
-        else:
-            self.nodes.append(node)
-        return node
-
-    def stop(self) -> None:
-        for node in self.nodes:
-            node.stop()
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, models_dir: Path) -> Iterator[Cluster]:
-    started = Cluster(tmp_path, models_dir)
-    try:
-        yield started
-    finally:
-        started.stop()
 
 
 def test_three_nodes_agree_and_survive_the_masters_death(cluster: Cluster) -> None:
@@ -201,7 +115,11 @@ def test_chat_through_another_node_and_timeout_of_a_silent_node(
     relay = cluster.start(1)
     wait_until(lambda: agreed(cluster.nodes), 30, "agreement")
     wait_until(
-        lambda: any(r["status"] == "ready" for r in relay.get("/state")["runners"].values()),
+        lambda: any(
+            r["status"] == "ready"
+            for ranks in relay.get("/state")["runners"].values()
+            for r in ranks.values()
+        ),
         20, "the runner's status reaching the other node",
     )  # fmt: skip
     question = [{"role": "user", "content": "Say something."}]
@@ -261,25 +179,23 @@ def test_instances_placed_and_deleted_through_any_node_start_and_stop_runners(
     assert created.status_code == 201
     new_id = created.json()["instance_id"]
     wait_until(
-        lambda: relay.get("/state")["runners"].get(new_id, {}).get("status") == "ready",
+        lambda: relay.get("/state")["runners"].get(new_id, {}).get(worker_id, {}).get("status")
+        == "ready",
         60, "the new runner ready",
     )  # fmt: skip
     bad = httpx.post(
         f"{relay.base_url}/instance", json={"model_id": "x", "node_id": "ghost"}, timeout=15
     )
     assert bad.status_code == 404
-    # A model the node does not have: the runner fails, visibly in the state.
+    # A model no node has: refused, with what the cluster does know.
     absent = httpx.post(
         f"{relay.base_url}/instance",
         json={"model_id": "absent-model", "node_id": worker_id},
         timeout=15,
     )
-    assert absent.status_code == 201
-    failed_id = absent.json()["instance_id"]
-    runner = wait_until(
-        lambda: relay.get("/state")["runners"].get(failed_id), 20, "a failed runner"
-    )
-    assert runner["status"] == "failed" and "absent-model" in runner["error"]
+    assert absent.status_code == 404
+    assert "no node has model 'absent-model'" in absent.json()["error"]["message"]
+    assert tiny_model_dir.name in absent.json()["error"]["message"]
 
 
 def test_two_clusters_that_meet_merge_into_one(cluster: Cluster, tmp_path: Path) -> None:

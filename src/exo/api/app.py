@@ -3,9 +3,8 @@
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -14,12 +13,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from jinja2 import TemplateError
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.responses import Response
 
 from exo.api.chat_prompt import ChatPrompt, render_chat_prompt
 from exo.api.errors import APIError, install_error_handlers
+from exo.api.instances import instance_routes
 from exo.api.openai_types import (
     AssistantMessage,
     ChatCompletion,
@@ -36,13 +35,9 @@ from exo.api.openai_types import (
 from exo.api.routing import cluster_models, remote_api_for
 from exo.cluster.link import ClusterUnavailable
 from exo.master.commands import CommandRejected
-from exo.master.placement import PlacementError, PlacementRequest, preview
-from exo.models.cards import card_from_folder
-from exo.models.resolve import ModelUnavailable, resolve_model
-from exo.models.store import InvalidModelId, validate_model_id
 from exo.shared.cluster_view import ClusterView
-from exo.shared.types.commands import Command, CreateInstance, DeleteInstance
-from exo.shared.types.ids import InstanceId, ModelId, NodeId, new_instance_id, new_task_id
+from exo.shared.types.commands import Command
+from exo.shared.types.ids import ModelId, new_task_id
 from exo.shared.types.tasks import GenerationParams, Usage
 from exo.worker.runner.protocol import Chunk, Finished, Generate, TaskFailed, TaskMessage
 from exo.worker.runner.supervisor import RunnerSupervisor, RunnerUnavailable
@@ -51,11 +46,6 @@ DEFAULT_MAX_TOKENS = 1024
 KEEPALIVE_SECONDS = 10.0
 DISCONNECT_POLL_SECONDS = 0.5
 FORWARD_CONNECT_SECONDS = 5.0
-
-
-class InstanceRequest(BaseModel):
-    model_id: str
-    node_id: str | None = None
 
 
 @dataclass
@@ -97,7 +87,7 @@ def create_app(
     models: dict[ModelId, ServedModel],
     cluster: ClusterView,
     keepalive_seconds: float = KEEPALIVE_SECONDS,
-    models_dir: Path | None = None,
+    delete_model_files: Callable[[ModelId], Awaitable[bool]] | None = None,
 ) -> FastAPI:
     app = FastAPI(title="exo", version="0.1.0")
     install_error_handlers(app)
@@ -148,56 +138,7 @@ def create_app(
         except ClusterUnavailable as error:
             raise APIError(503, str(error), "server_error", "cluster_unavailable") from error
 
-    @app.post("/instance", status_code=201)
-    async def create_instance(body: InstanceRequest) -> dict[str, str]:
-        """Serve a model on a node (this one by default); its runner starts there."""
-        try:
-            model_id = validate_model_id(body.model_id)
-        except InvalidModelId as error:
-            raise APIError(
-                400, str(error), "invalid_request_error", "invalid_request", "model_id"
-            ) from error
-        instance_id = new_instance_id()
-        node = NodeId(body.node_id) if body.node_id else cluster.node_id
-        await command(CreateInstance(instance_id=instance_id, model_id=model_id, node_id=node))
-        return {"instance_id": instance_id}
-
-    @app.get("/instance/previews")
-    async def instance_previews(
-        model_id: str, min_nodes: int = 1, max_nodes: int | None = None
-    ) -> dict[str, Any]:
-        """Every feasible placement of a model on the cluster, best first, or why none fits.
-        Cards come from this node's models directory (hub cards: the placement issue)."""
-        try:
-            model = validate_model_id(model_id)
-        except InvalidModelId as error:
-            raise APIError(
-                400, str(error), "invalid_request_error", "invalid_request", "model_id"
-            ) from error
-        if models_dir is None:
-            raise APIError(
-                404, "this node has no models directory", "invalid_request_error", "model_not_found"
-            )
-        try:
-            path = await anyio.to_thread.run_sync(resolve_model, models_dir, model)
-            card = await anyio.to_thread.run_sync(card_from_folder, model, path)
-            request = PlacementRequest(min_nodes=min_nodes, max_nodes=max_nodes)
-            placements = preview(card, cluster.state, None, request)
-        except ModelUnavailable as error:
-            raise APIError(
-                404, str(error), "invalid_request_error", "model_not_found", "model_id"
-            ) from error
-        except (PlacementError, ValidationError) as error:
-            raise APIError(
-                400, str(error), "invalid_request_error", "placement_infeasible"
-            ) from error
-        return {"model_id": model, "placements": [p.model_dump(mode="json") for p in placements]}
-
-    @app.delete("/instance/{instance_id}")
-    async def delete_instance(instance_id: str) -> dict[str, str]:
-        """Stop serving an instance; its runner shuts down on its node."""
-        await command(DeleteInstance(instance_id=InstanceId(instance_id)))
-        return {"deleted": instance_id}
+    app.include_router(instance_routes(cluster, command, delete_model_files))
 
     @app.get("/cluster")
     async def cluster_info() -> dict[str, Any]:

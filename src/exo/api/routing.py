@@ -1,4 +1,6 @@
-"""Which node serves a model this node does not: pure, over the cluster state."""
+"""Which node serves a model this node does not: pure, over the cluster state.
+
+Requests go to an instance's first rank (the runner that takes tasks)."""
 
 from exo.shared.types.ids import ModelId, NodeId
 from exo.shared.types.state import State
@@ -7,31 +9,29 @@ SERVING = ("ready", "running")
 
 
 def remote_api_for(state: State, model_id: ModelId, self_id: NodeId) -> str | None:
-    """The API address (host:port) of another node whose runner serves `model_id`,
-    preferring an idle runner; None when there is none."""
+    """The API address (host:port) of another node whose instance of `model_id`
+    serves, preferring an idle one; None when there is none."""
     choices = []
-    for instance_id, instance in sorted(state.instances.items()):
-        node = state.nodes.get(instance.node_id)
-        runner = state.runners.get(instance_id)
+    for _, instance in sorted(state.instances.items()):
+        first = instance.ranks[0].node_id
+        node = state.nodes.get(first)
+        status = state.instance_status(instance)
         if (
             instance.model_id != model_id
-            or instance.node_id == self_id
+            or first == self_id
             or node is None
             or node.api_address is None
-            or runner is None
-            or runner.status not in SERVING
+            or status not in SERVING
         ):
             continue
-        choices.append((runner.status != "ready", node.api_address))
+        choices.append((status != "ready", node.api_address))
     return min(choices)[1] if choices else None
 
 
 def cluster_models(state: State) -> dict[ModelId, str]:
-    """Every model some runner in the cluster serves, with the best runner status."""
+    """Every model some instance in the cluster serves, with the best status."""
     best: dict[ModelId, str] = {}
-    for instance_id, instance in state.instances.items():
-        runner = state.runners.get(instance_id)
-        status = runner.status if runner else "starting"
+    for instance in state.instances.values():
         if best.get(instance.model_id) not in SERVING:
-            best[instance.model_id] = status
+            best[instance.model_id] = state.instance_status(instance)
     return best

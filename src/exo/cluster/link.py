@@ -24,6 +24,8 @@ from exo.cluster.proto import cluster_pb2 as pb
 from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
 from exo.master.commands import CommandRejected, decide
 from exo.master.event_store import EventGap, EventStore
+from exo.master.recovery import Recovery, broken_instances, instances_on
+from exo.models.local_store import ModelStore
 from exo.shared.election import Candidate, elect
 from exo.shared.types.commands import Command, command_adapter
 from exo.shared.types.events import (
@@ -33,7 +35,7 @@ from exo.shared.types.events import (
     event_adapter,
     indexed_event_adapter,
 )
-from exo.shared.types.ids import NodeId
+from exo.shared.types.ids import ModelId, NodeId
 from exo.shared.types.state import State
 
 RPC_TIMEOUT_SECONDS = 2.0
@@ -45,6 +47,8 @@ COMMAND_TIMEOUT_SECONDS = 10.0
 # A follower this far ahead of the master's reported index holds a fork (the
 # report is up to a heartbeat old, hence some slack).
 MAX_LEAD_EVENTS = 1000
+# Model file chunks (gRPC's default message limit is 4 MiB).
+FILE_CHUNK_BYTES = 1 << 20
 
 
 class ClusterUnavailable(Exception):
@@ -104,8 +108,11 @@ class ClusterLink:
         force_master: bool = False,
         timing: LinkTiming = LinkTiming(),
         discovering: bool = False,
+        model_store: ModelStore | None = None,
     ) -> None:
         self.store = store
+        # Serves this node's model files to peers (FetchFile); None: serves none.
+        self.model_store = model_store
         self.node_id = store.node_id
         self.address = f"{advertised_host}:{grpc_port}"
         self._bind = f"{grpc_host}:{grpc_port}"
@@ -432,14 +439,27 @@ class ClusterLink:
         return ack.ok
 
     async def _master_duties_loop(self) -> None:
+        recovery = Recovery()
         while True:
             await anyio.sleep(self.timing.heartbeat_seconds)
-            if self.master_id == self.node_id:
-                gone = self.store.time_out_silent_nodes(
-                    int(self.timing.node_timeout_seconds * 1000)
+            if self.master_id != self.node_id:
+                continue
+            before = self.store.state
+            gone = self.store.time_out_silent_nodes(int(self.timing.node_timeout_seconds * 1000))
+            for node_id in gone:
+                logger.warning(f"node {node_id} timed out; its instances are removed")
+            lost = [(i, False) for i in instances_on(before, gone)]
+            for instance, listed in lost + [(i, True) for i in broken_instances(self.store.state)]:
+                logger.warning(
+                    f"instance {instance.instance_id} of {instance.model_id} lost a rank; placing it again"
                 )
-                for node_id in gone:
-                    logger.warning(f"node {node_id} timed out; its instances are removed")
+                for command in recovery.commands(instance, listed):
+                    try:
+                        events = decide(self.store.state, command)
+                    except CommandRejected as error:
+                        logger.warning(f"cannot place {instance.model_id} again: {error}")
+                        continue
+                    self.store.publish(self.node_id, [(uuid.uuid4().hex, e) for e in events])
 
 
 async def _wait(event: anyio.Event, timeout: float) -> None:
@@ -509,6 +529,40 @@ class _Servicer(pb_grpc.ClusterServicer):
             NodeId(request.origin), [(f"{request.id}:{i}", e) for i, e in enumerate(events)]
         )
         return pb.Ack(ok=True)
+
+    async def ListModelFiles(
+        self, request: pb.ListModelFilesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelFileList:
+        store = self.link.model_store
+        model_id = ModelId(request.model_id)
+        if store is None or store.find(model_id) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no copy of {request.model_id!r} here")
+            raise AssertionError  # abort raises
+        files = await anyio.to_thread.run_sync(store.list_files, model_id)
+        return pb.ModelFileList(
+            files=[pb.ModelFile(path=f.path, size=f.size, sha256=f.sha256) for f in files]
+        )
+
+    async def FetchFile(
+        self, request: pb.FetchFileRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.FileChunk]:
+        store = self.link.model_store
+        path = store.file(ModelId(request.model_id), request.path) if store else None
+        if path is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no file {request.path!r} of {request.model_id!r} here"
+            )
+            raise AssertionError  # abort raises
+        size = path.stat().st_size
+        offset = max(0, request.offset)
+        with path.open("rb") as f:
+            f.seek(offset)
+            while offset < size:
+                data = await anyio.to_thread.run_sync(f.read, FILE_CHUNK_BYTES)
+                if not data:
+                    break
+                yield pb.FileChunk(offset=offset, data=data, total_size=size)
+                offset += len(data)
 
     async def Elect(
         self, request: pb.ElectionMessage, context: grpc.aio.ServicerContext

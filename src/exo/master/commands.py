@@ -1,9 +1,17 @@
 """`decide(state, command) -> events`: pure; a command that cannot be carried
 out raises `CommandRejected` with a message for the user."""
 
-from exo.shared.types.commands import Command, CreateInstance, DeleteInstance
+from collections.abc import Sequence
+
+from exo.master.placement import PlacementError, PlacementRequest, place
+from exo.shared.types.commands import Command, CreateInstance, DeleteInstance, PlaceInstance
 from exo.shared.types.events import Event, InstanceCreated, InstanceDeleted
-from exo.shared.types.state import Instance, State
+from exo.shared.types.ids import InstanceId, ModelId
+from exo.shared.types.state import Instance, InstanceRank, State
+
+# The ranks of multi-node instances listen for mx.distributed from this port up
+# (one port per rank, the lowest ones not taken on that host).
+RING_BASE_PORT = 52500
 
 
 class CommandRejected(Exception):
@@ -12,23 +20,96 @@ class CommandRejected(Exception):
         self.not_found = not_found
 
 
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0]
+
+
+def ring_hosts(state: State, ranks: Sequence[InstanceRank]) -> tuple[str, ...]:
+    """ "ip:port" for each rank's runner: the node's gRPC host and the lowest
+    ports from `RING_BASE_PORT` that no other instance uses on that host."""
+    if len(ranks) == 1:
+        return ()
+    taken = {address for instance in state.instances.values() for address in instance.ring_hosts}
+    hosts: list[str] = []
+    for rank in ranks:
+        grpc_address = state.nodes[rank.node_id].grpc_address
+        if grpc_address is None:
+            raise CommandRejected(f"node {rank.node_id} has no cluster address for its rank")
+        port = RING_BASE_PORT
+        while f"{_host(grpc_address)}:{port}" in taken:
+            port += 1
+        address = f"{_host(grpc_address)}:{port}"
+        taken.add(address)
+        hosts.append(address)
+    return tuple(hosts)
+
+
+def _check_ranks(state: State, model_id: ModelId, ranks: Sequence[InstanceRank]) -> None:
+    for rank in ranks:
+        if rank.node_id not in state.nodes:
+            raise CommandRejected(f"no node {rank.node_id!r} in the cluster", not_found=True)
+    if len({rank.node_id for rank in ranks}) != len(ranks):
+        raise CommandRejected("a node can hold only one rank of an instance")
+    start = 0
+    for rank in ranks:
+        if rank.start_layer != start or rank.end_layer <= rank.start_layer:
+            raise CommandRejected(
+                "ranks must cover the layers in order without gaps: "
+                + ", ".join(f"{r.node_id}[{r.start_layer},{r.end_layer})" for r in ranks)
+            )
+        start = rank.end_layer
+    card = state.cards.get(model_id)
+    if card is not None and start != card.n_layers:
+        raise CommandRejected(f"{model_id} has {card.n_layers} layers, the ranks cover {start}")
+    for instance in state.instances.values():
+        if instance.model_id == model_id and set(instance.node_ids) & {r.node_id for r in ranks}:
+            raise CommandRejected(
+                f"{model_id} already has an instance on {', '.join(instance.node_ids)} "
+                f"(instance {instance.instance_id}); delete it first"
+            )
+
+
+def _create(
+    state: State, instance_id: InstanceId, model_id: ModelId, ranks: Sequence[InstanceRank]
+) -> list[Event]:
+    _check_ranks(state, model_id, ranks)
+    instance = Instance(
+        instance_id=instance_id,
+        model_id=model_id,
+        ranks=tuple(
+            InstanceRank(node_id=r.node_id, start_layer=r.start_layer, end_layer=r.end_layer)
+            for r in ranks
+        ),
+        ring_hosts=ring_hosts(state, ranks),
+    )
+    return [InstanceCreated(instance=instance)]
+
+
 def decide(state: State, command: Command) -> list[Event]:
     match command:
+        case CreateInstance() | PlaceInstance() if command.instance_id in state.instances:
+            return []  # a retried command
         case CreateInstance():
-            if command.node_id not in state.nodes:
-                raise CommandRejected(f"no node {command.node_id!r} in the cluster", not_found=True)
-            if command.instance_id in state.instances:
-                return []  # a retried command
-            for instance in state.instances.values():
-                if instance.node_id == command.node_id and instance.model_id == command.model_id:
-                    raise CommandRejected(
-                        f"node {command.node_id} already serves {command.model_id} "
-                        f"(instance {instance.instance_id})"
-                    )
-            instance = Instance(
-                instance_id=command.instance_id, model_id=command.model_id, node_id=command.node_id
-            )
-            return [InstanceCreated(instance=instance)]
+            return _create(state, command.instance_id, command.model_id, command.ranks)
+        case PlaceInstance():
+            card = state.cards.get(command.model_id)
+            if card is None:
+                raise CommandRejected(
+                    f"no node knows model {command.model_id!r}: put it in a node's models "
+                    "directory or make it reachable on the Hugging Face hub",
+                    not_found=True,
+                )
+            try:
+                placement = place(
+                    card,
+                    state,
+                    request=PlacementRequest(
+                        min_nodes=command.min_nodes, max_nodes=command.max_nodes
+                    ),
+                )
+            except PlacementError as error:
+                raise CommandRejected(str(error)) from error
+            return _create(state, command.instance_id, command.model_id, placement.ranks)
         case DeleteInstance():
             if command.instance_id not in state.instances:
                 raise CommandRejected(f"no instance {command.instance_id!r}", not_found=True)

@@ -11,15 +11,21 @@ returns all of them, best first, and `place` the best.
 "Free" RAM here is a node's available RAM minus a safety margin of its total RAM.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import combinations
 
 from pydantic import Field
 
-from exo.models.cards import ModelCard, kv_bytes_per_token, memory_other, memory_per_layer
+from exo.models.cards import (
+    ModelCard,
+    kv_bytes_per_token,
+    memory_other,
+    memory_per_layer,
+    shard_files,
+)
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import ModelId, NodeId
-from exo.shared.types.state import MlxBackend, NodeTelemetry, State
+from exo.shared.types.state import InstanceRank, MlxBackend, NodeTelemetry, State
 
 # RAM left to the OS and other programs: this share of a node's total RAM is
 # never counted as free.
@@ -40,10 +46,7 @@ class PlacementRequest(FrozenModel):
     max_nodes: int | None = Field(default=None, ge=1)
 
 
-class Rank(FrozenModel):
-    node_id: NodeId
-    start_layer: int
-    end_layer: int  # exclusive
+class Rank(InstanceRank):
     memory_bytes: int  # weights as loaded on the node's backend plus the KV reserve
 
     @property
@@ -157,10 +160,14 @@ def _order(nodes: Sequence[tuple[NodeId, NodeTelemetry]]) -> list[tuple[NodeId, 
     return sorted(nodes, key=lambda node: (-free_bytes(node[1]), node[0]))
 
 
+# A node's downloaded fraction (0..1) of the files it needs for layers [start, end).
+ProgressFn = Callable[[NodeId, int, int], float]
+
+
 def _place_on(
     card: ModelCard,
     nodes: Sequence[tuple[NodeId, NodeTelemetry]],
-    progress: Mapping[NodeId, float],
+    progress: ProgressFn,
 ) -> Placement | None:
     k = len(nodes)
     budgets = [free_bytes(t) for _, t in nodes]
@@ -184,7 +191,9 @@ def _place_on(
     return Placement(
         model_id=card.model_id,
         ranks=tuple(ranks),
-        download_progress=sum(min(1.0, max(0.0, progress.get(n, 0.0))) for n, _ in nodes),
+        download_progress=sum(
+            min(1.0, max(0.0, progress(r.node_id, r.start_layer, r.end_layer))) for r in ranks
+        ),
         free_bytes=sum(budgets),
     )
 
@@ -239,23 +248,51 @@ def _shortfall(
     return message
 
 
+def download_progress(card: ModelCard, state: State) -> ProgressFn:
+    """From the state: the share of the bytes of its shard's files (weights by
+    size, each other file as one byte) a node already has complete."""
+    sizes = {f.name: f.size_bytes or 1 for f in card.weight_files}
+
+    def fraction(node_id: NodeId, start: int, end: int) -> float:
+        download = state.downloads.get(node_id, {}).get(card.model_id)
+        if download is None:
+            return 0.0
+        needed = shard_files(card, start, end)
+        have = needed & set(download.have_files)
+        total = sum(sizes.get(name, 1) for name in needed)
+        return sum(sizes.get(name, 1) for name in have) / total if total else 1.0
+
+    return fraction
+
+
 def preview(
     card: ModelCard,
     state: State,
-    progress: Mapping[NodeId, float] | None = None,
+    progress: Mapping[NodeId, float] | ProgressFn | None = None,
     request: PlacementRequest | None = None,
 ) -> list[Placement]:
     """Every feasible placement of `card` on the cluster, best first.
 
-    `progress` is each node's downloaded fraction (0..1) of the files it would
-    need; missing nodes count 0. Raises `PlacementError` when none is feasible.
+    `progress` gives each node's downloaded fraction (0..1) of the files it
+    would need: a function of (node, start_layer, end_layer), or one number per
+    node (missing nodes count 0); by default it is read from the state's
+    downloads. Raises `PlacementError` when none is feasible.
     """
     request = request or PlacementRequest()
-    progress = progress or {}
-    nodes = [(n, info.telemetry) for n, info in sorted(state.nodes.items()) if info.telemetry]
+    if progress is None:
+        progress = download_progress(card, state)
+    elif isinstance(progress, Mapping):
+        per_node = progress
+        progress = lambda node_id, start, end: per_node.get(node_id, 0.0)  # noqa: E731
+    nodes = [
+        (n, info.telemetry)
+        for n, info in sorted(state.nodes.items())
+        if info.telemetry and info.telemetry.accepts_instances
+    ]
     if not nodes:
         raise PlacementError(
-            f"cannot place {card.model_id}: no node has reported its memory yet (no telemetry)"
+            f"cannot place {card.model_id}: no node that runs models has reported its memory "
+            "yet (nodes started with --no-worker run none)"
         )
     if request.max_nodes is not None and request.max_nodes < request.min_nodes:
         raise PlacementError(
@@ -289,7 +326,7 @@ def preview(
 def place(
     card: ModelCard,
     state: State,
-    progress: Mapping[NodeId, float] | None = None,
+    progress: Mapping[NodeId, float] | ProgressFn | None = None,
     request: PlacementRequest | None = None,
 ) -> Placement:
     """The best placement (`preview`'s first); raises `PlacementError` if none fits."""

@@ -6,10 +6,13 @@ replaying any prefix of the log is always well defined.
 """
 
 from exo.shared.types.events import (
+    DownloadProgressed,
+    DownloadRemoved,
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
     MasterElected,
+    ModelCardPublished,
     NodeJoined,
     NodeTelemetryReported,
     NodeTimedOut,
@@ -49,16 +52,14 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
         case NodeTimedOut():
             if event.node_id not in state.nodes:
                 return state
-            gone = {i for i, inst in state.instances.items() if inst.node_id == event.node_id}
+            # An instance cannot serve without any of its ranks.
+            gone = {i for i, inst in state.instances.items() if event.node_id in inst.node_ids}
             return state.model_copy(
                 update={
                     "nodes": {k: v for k, v in state.nodes.items() if k != event.node_id},
                     "instances": {k: v for k, v in state.instances.items() if k not in gone},
-                    "runners": {
-                        k: v
-                        for k, v in state.runners.items()
-                        if k not in gone and v.node_id != event.node_id
-                    },
+                    "runners": {k: v for k, v in state.runners.items() if k not in gone},
+                    "downloads": {k: v for k, v in state.downloads.items() if k != event.node_id},
                     "master_id": None if state.master_id == event.node_id else state.master_id,
                 }
             )
@@ -69,7 +70,7 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
                 update={"master_id": event.master_id, "master_term": event.term}
             )
         case InstanceCreated():
-            if event.instance.node_id not in state.nodes:
+            if any(node_id not in state.nodes for node_id in event.instance.node_ids):
                 return state
             instances = {**state.instances, event.instance.instance_id: event.instance}
             return state.model_copy(update={"instances": instances})
@@ -84,7 +85,7 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
             )
         case RunnerStatusChanged():
             instance = state.instances.get(event.instance_id)
-            if instance is None or instance.node_id != event.node_id:
+            if instance is None or event.node_id not in instance.node_ids:
                 return state
             runner = RunnerInfo(
                 instance_id=event.instance_id,
@@ -92,9 +93,31 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
                 status=event.status,
                 error=event.error,
             )
+            ranks = {**state.runners.get(event.instance_id, {}), event.node_id: runner}
+            return state.model_copy(update={"runners": {**state.runners, event.instance_id: ranks}})
+        case ModelCardPublished():
+            cards = {**state.cards, event.card.model_id: event.card}
+            return state.model_copy(update={"cards": cards})
+        case DownloadProgressed():
+            if event.node_id not in state.nodes:
+                return state
+            models = {
+                **state.downloads.get(event.node_id, {}),
+                event.progress.model_id: event.progress,
+            }
             return state.model_copy(
-                update={"runners": {**state.runners, event.instance_id: runner}}
+                update={"downloads": {**state.downloads, event.node_id: models}}
             )
+        case DownloadRemoved():
+            models = {
+                k: v
+                for k, v in state.downloads.get(event.node_id, {}).items()
+                if k != event.model_id
+            }
+            downloads = {**state.downloads, event.node_id: models}
+            if not models:
+                downloads.pop(event.node_id)
+            return state.model_copy(update={"downloads": downloads})
 
 
 def apply(state: State, indexed: IndexedEvent) -> State:

@@ -11,7 +11,7 @@ from exo.engine.mlx.load import backend_name
 from exo.shared.types.state import NodeTelemetry
 
 
-def read_telemetry(models_dir: Path) -> NodeTelemetry:
+def read_telemetry(models_dir: Path, accepts_instances: bool = True) -> NodeTelemetry:
     memory = psutil.virtual_memory()
     models_dir.mkdir(parents=True, exist_ok=True)
     return NodeTelemetry(
@@ -21,4 +21,5 @@ def read_telemetry(models_dir: Path) -> NodeTelemetry:
         cpu_count=os.cpu_count() or 1,
         platform=f"{platform.system().lower()}-{platform.machine()}",
         mlx_backend=backend_name(),
+        accepts_instances=accepts_instances,
     )

@@ -1,6 +1,8 @@
-"""The worker: runs a runner for every instance the cluster state places on this
-node, and shuts down the runners of deleted instances (see `plan`)."""
+"""The worker: fetches the files of this node's ranks, runs a runner for every
+rank the cluster state places on this node, and stops what is no longer needed
+(see `plan`)."""
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,14 +15,32 @@ from mlx_lm.utils import load_tokenizer
 
 from exo.api.app import ServedModel
 from exo.cluster.link import ClusterLink
-from exo.models.resolve import resolve_model
+from exo.models.builtin import DEFAULT_MODEL_ID
+from exo.models.local_store import ModelStore
 from exo.models.store import context_length, sampling_defaults
-from exo.shared.types.events import RunnerStatusChanged
+from exo.shared.types.downloads import DownloadProgress
+from exo.shared.types.events import (
+    DownloadProgressed,
+    DownloadRemoved,
+    ModelCardPublished,
+    RunnerStatusChanged,
+)
 from exo.shared.types.ids import InstanceId, ModelId
 from exo.shared.types.runner import RunnerStatus
 from exo.shared.types.state import Instance
-from exo.worker.plan import StartRunner, StopRunner, plan
-from exo.worker.runner.supervisor import RunnerSupervisor
+from exo.worker.downloads.hub import HubSource
+from exo.worker.downloads.peer import PeerSource
+from exo.worker.downloads.source import DownloadError, FileSource
+from exo.worker.downloads.transfer import download_files
+from exo.worker.plan import (
+    CancelDownload,
+    LocalFacts,
+    StartDownload,
+    StartRunner,
+    StopRunner,
+    plan,
+)
+from exo.worker.runner.supervisor import PipelineRank, RunnerSupervisor
 
 # Re-plan at least this often even without events (bounded waits).
 REPLAN_SECONDS = 5.0
@@ -30,29 +50,41 @@ REPLAN_SECONDS = 5.0
 class _Running:
     instance: Instance
     served: ServedModel | None  # None: it could not start (the state says why)
+    runner: RunnerSupervisor | None = None
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+
+
+def hub_enabled() -> bool:
+    """The hub is a source unless `HF_HUB_OFFLINE` says otherwise (as in huggingface_hub)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes")
 
 
 class Worker:
     def __init__(
         self,
         link: ClusterLink,
-        models_dir: Path,
+        models: ModelStore,
         cache_dir: Path,
         prefix_cache_bytes: int,
+        secret: str,
         on_ready: Callable[[ModelId], None] = lambda model_id: None,
         stale: frozenset[InstanceId] = frozenset(),
     ) -> None:
         self.link = link
-        self.models_dir = models_dir
+        self.models = models
         self.cache_dir = cache_dir
         self.prefix_cache_bytes = prefix_cache_bytes
+        self.secret = secret
         self.on_ready = on_ready
         self.stale = stale
-        # The models this node serves, by id: the API reads it on every request.
+        # The models this node serves (its rank-0 runners), by id: the API reads it.
         self.served: dict[ModelId, ServedModel] = {}
         self._running: dict[InstanceId, _Running] = {}
         self._announced: set[InstanceId] = set()
+        self._downloads: dict[ModelId, anyio.CancelScope] = {}
+        self._have: dict[ModelId, set[str]] = {}
+        self._download_failed: set[InstanceId] = set()
+        self._sources_used: dict[ModelId, str] = {}  # where each model's last bytes came from
 
     async def run(self) -> None:
         async with anyio.create_task_group() as group:
@@ -64,16 +96,142 @@ class Worker:
                 with anyio.CancelScope(shield=True):
                     for instance_id in list(self._running):
                         await self._stop(instance_id)
+                for scope in self._downloads.values():
+                    scope.cancel()
+
+    async def publish_local_models(self) -> None:
+        self._have.update(await publish_local_models(self.link, self.models))
+
+    def _facts(self) -> LocalFacts:
+        return LocalFacts(
+            running=frozenset(self._running),
+            have_files=self._have,
+            downloading=frozenset(self._downloads),
+            download_failed=frozenset(self._download_failed),
+            stale=self.stale,
+        )
 
     async def _reconcile(self, group: anyio.abc.TaskGroup) -> None:
-        for _ in range(len(self.link.state.instances) + len(self._running) + 1):
-            action = plan(self.link.node_id, self.link.state, self._running.keys(), self.stale)
-            if isinstance(action, StartRunner):
-                await self._start(action.instance, group)
-            elif isinstance(action, StopRunner):
-                await self._stop(action.instance_id)
-            else:
-                return
+        state = self.link.state
+        bound = 2 * (len(state.instances) + len(self._running) + len(self._downloads)) + 1
+        for _ in range(bound):
+            action = plan(self.link.node_id, self.link.state, self._facts())
+            match action:
+                case StartRunner():
+                    await self._start(action.instance, action.rank, group)
+                case StopRunner():
+                    await self._stop(action.instance_id)
+                case StartDownload():
+                    self._start_download(action, group)
+                case CancelDownload():
+                    logger.info(f"download of {action.model_id} no longer needed: cancelled")
+                    self._downloads.pop(action.model_id).cancel()
+                    self._publish_progress(
+                        DownloadProgress(
+                            model_id=action.model_id,
+                            status="cancelled",
+                            files_total=0,
+                            files_done=0,
+                            bytes_total=0,
+                            bytes_done=0,
+                            have_files=tuple(sorted(self._have.get(action.model_id, ()))),
+                        )
+                    )
+                case None:
+                    return
+
+    # -- downloads -----------------------------------------------------------------
+
+    def _publish_progress(self, progress: DownloadProgress) -> None:
+        if progress.source:
+            self._sources_used[progress.model_id] = progress.source
+        self.link.publish(DownloadProgressed(node_id=self.link.node_id, progress=progress))
+
+    def _sources(self, model_id: ModelId) -> list[FileSource]:
+        """Peers that have files of the model (the most complete first), then the hub."""
+        state = self.link.state
+        peers: list[tuple[int, PeerSource]] = []
+        for node_id, models in state.downloads.items():
+            node = state.nodes.get(node_id)
+            download = models.get(model_id)
+            if node_id == self.link.node_id or node is None or node.grpc_address is None:
+                continue
+            if download is not None and download.have_files:
+                source = PeerSource(node_id, node.grpc_address, self.secret)
+                peers.append((-len(download.have_files), source))
+        sources: list[FileSource] = [source for _, source in sorted(peers, key=lambda p: p[0])]
+        if hub_enabled():
+            sources.append(HubSource())
+        return sources
+
+    def _start_download(self, action: StartDownload, group: anyio.abc.TaskGroup) -> None:
+        scope = anyio.CancelScope()
+        self._downloads[action.model_id] = scope
+        group.start_soon(self._download, action, scope)
+
+    async def _download(self, action: StartDownload, scope: anyio.CancelScope) -> None:
+        model_id = action.model_id
+        wanted = set(action.files) if action.files is not None else None
+        with scope:
+            try:
+                if model_id == DEFAULT_MODEL_ID:
+                    # Built in: imported from the local GGUF, never fetched.
+                    await anyio.to_thread.run_sync(self.models.resolve, model_id)
+                elif wanted is None or self.models.folder_with(model_id, wanted) is None:
+                    sources = self._sources(model_id)
+                    logger.info(
+                        f"downloading {len(wanted) if wanted else 'all'} files of {model_id} "
+                        f"from {', '.join(s.name for s in sources) or 'nowhere'}"
+                    )
+                    await download_files(
+                        sources,
+                        model_id,
+                        wanted,
+                        self.models.writable_dir(model_id),
+                        self._publish_progress,
+                    )
+                have = await anyio.to_thread.run_sync(self.models.complete_files, model_id, wanted)
+                self._have[model_id] = have
+                self._publish_progress(
+                    _complete(model_id, have, self._sources_used.get(model_id, "local"))
+                )
+                if model_id not in self.link.state.cards:
+                    await self.publish_local_models()
+            except (DownloadError, OSError, ValueError) as error:
+                logger.error(f"download of {model_id} failed: {error}")
+                self._download_failed.add(action.instance_id)
+                self._publish_progress(
+                    DownloadProgress(
+                        model_id=model_id,
+                        status="failed",
+                        files_total=len(wanted or ()),
+                        files_done=0,
+                        bytes_total=0,
+                        bytes_done=0,
+                        error=str(error),
+                        have_files=tuple(sorted(self._have.get(model_id, ()))),
+                    )
+                )
+            finally:
+                if self._downloads.get(model_id) is scope:
+                    del self._downloads[model_id]
+
+    async def delete_model_files(self, model_id: ModelId) -> bool:
+        """Delete this node's writable copy of a model; False when there is none."""
+        scope = self._downloads.pop(model_id, None)
+        if scope is not None:
+            scope.cancel()
+        deleted = await anyio.to_thread.run_sync(self.models.delete, model_id)
+        self._have.pop(model_id, None)
+        remaining = await anyio.to_thread.run_sync(self.models.complete_files, model_id)
+        if remaining:  # a read-only copy stays
+            self._have[model_id] = remaining
+            self._publish_progress(_complete(model_id, remaining))
+        else:
+            self.link.publish(DownloadRemoved(node_id=self.link.node_id, model_id=model_id))
+        return deleted
+
+    # -- runners -------------------------------------------------------------------
 
     def _report(self, instance: Instance, status: RunnerStatus, error: str | None) -> None:
         self.link.publish(
@@ -86,38 +244,66 @@ class Worker:
         )
         if status == "ready" and instance.instance_id not in self._announced:
             self._announced.add(instance.instance_id)
-            self.on_ready(instance.model_id)
+            if instance.rank_of(self.link.node_id) == 0:
+                self.on_ready(instance.model_id)
 
-    async def _start(self, instance: Instance, group: anyio.abc.TaskGroup) -> None:
-        logger.info(f"starting a runner for {instance.model_id} (instance {instance.instance_id})")
+    async def _start(self, instance: Instance, rank: int, group: anyio.abc.TaskGroup) -> None:
+        part = instance.ranks[rank]
+        where = (
+            f" rank {rank} of {len(instance.ranks)}, layers [{part.start_layer}, {part.end_layer})"
+            if len(instance.ranks) > 1
+            else ""
+        )
+        logger.info(
+            f"starting a runner for {instance.model_id}{where} (instance {instance.instance_id})"
+        )
         try:
-            path = await anyio.to_thread.run_sync(resolve_model, self.models_dir, instance.model_id)
-            tokenizer = await anyio.to_thread.run_sync(load_tokenizer, path)
+            wanted = self._have.get(instance.model_id, set())
+            path = await anyio.to_thread.run_sync(
+                self.models.folder_with, instance.model_id, wanted
+            )
+            if path is None:
+                path = await anyio.to_thread.run_sync(self.models.resolve, instance.model_id)
+            tokenizer = await anyio.to_thread.run_sync(load_tokenizer, path) if rank == 0 else None
         except Exception as error:  # any failure to prepare the model is the runner's failure
             logger.error(f"cannot serve {instance.model_id}: {error}")
             self._running[instance.instance_id] = _Running(instance, None)
             self._report(instance, "failed", f"{type(error).__name__}: {error}")
             return
+        pipeline = (
+            PipelineRank(
+                rank=rank,
+                start_layer=part.start_layer,
+                end_layer=part.end_layer,
+                ring_hosts=instance.ring_hosts,
+            )
+            if len(instance.ranks) > 1
+            else None
+        )
         runner = RunnerSupervisor(
             instance.model_id,
             path,
             self.prefix_cache_bytes,
             self.cache_dir,
             on_status=lambda status, error: self._report(instance, status, error),
+            pipeline=pipeline,
+            restart=pipeline is None,
         )
-        temperature, top_p = sampling_defaults(path)
-        served = ServedModel(
-            model_id=instance.model_id,
-            tokenizer=tokenizer,
-            context_length=context_length(path),
-            runner=runner,
-            created=int(time.time()),
-            default_temperature=temperature,
-            default_top_p=top_p,
-        )
-        running = _Running(instance, served)
+        served: ServedModel | None = None
+        if tokenizer is not None:
+            temperature, top_p = sampling_defaults(path)
+            served = ServedModel(
+                model_id=instance.model_id,
+                tokenizer=tokenizer,
+                context_length=context_length(path),
+                runner=runner,
+                created=int(time.time()),
+                default_temperature=temperature,
+                default_top_p=top_p,
+            )
+            self.served[instance.model_id] = served
+        running = _Running(instance, served, runner)
         self._running[instance.instance_id] = running
-        self.served[instance.model_id] = served
 
         async def supervise() -> None:
             with running.scope:
@@ -127,8 +313,35 @@ class Worker:
 
     async def _stop(self, instance_id: InstanceId) -> None:
         running = self._running.pop(instance_id)
-        if running.served is not None:
+        if running.runner is not None:
             logger.info(f"stopping the runner of instance {instance_id}")
-            self.served.pop(running.instance.model_id, None)
-            await running.served.runner.shutdown()
+            if running.served is not None:
+                self.served.pop(running.instance.model_id, None)
+            await running.runner.shutdown()
         running.scope.cancel()
+
+
+async def publish_local_models(link: ClusterLink, models: ModelStore) -> dict[ModelId, set[str]]:
+    """Tell the cluster which models this node has (cards and files)."""
+    found = await anyio.to_thread.run_sync(models.local_models)
+    for card, files in found:
+        link.publish(
+            ModelCardPublished(card=card),
+            DownloadProgressed(node_id=link.node_id, progress=_complete(card.model_id, files)),
+        )
+    if found:
+        logger.info(f"models here: {', '.join(sorted(c.model_id for c, _ in found))}")
+    return {card.model_id: files for card, files in found}
+
+
+def _complete(model_id: ModelId, files: set[str], source: str = "local") -> DownloadProgress:
+    return DownloadProgress(
+        model_id=model_id,
+        status="complete",
+        files_total=len(files),
+        files_done=len(files),
+        bytes_total=0,
+        bytes_done=0,
+        source=source,
+        have_files=tuple(sorted(files)),
+    )

@@ -60,6 +60,11 @@ class ClusterStub:
                 request_serializer=exo_dot_cluster__pb2.ElectionMessage.SerializeToString,
                 response_deserializer=exo_dot_cluster__pb2.ElectionMessage.FromString,
                 _registered_method=True)
+        self.ListModelFiles = channel.unary_unary(
+                '/exo.cluster.Cluster/ListModelFiles',
+                request_serializer=exo_dot_cluster__pb2.ListModelFilesRequest.SerializeToString,
+                response_deserializer=exo_dot_cluster__pb2.ModelFileList.FromString,
+                _registered_method=True)
         self.FetchFile = channel.unary_stream(
                 '/exo.cluster.Cluster/FetchFile',
                 request_serializer=exo_dot_cluster__pb2.FetchFileRequest.SerializeToString,
@@ -112,8 +117,17 @@ class ClusterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModelFiles(self, request, context):
+        """The complete files a peer has of a model, with sizes and hashes
+        (NOT_FOUND when it has no copy).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def FetchFile(self, request, context):
-        """A node copies a model file from a peer that has it, resuming at `offset`.
+        """A node copies a model file from a peer that has it, resuming at `offset`
+        (NOT_FOUND when the peer has no such file).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,6 +160,11 @@ def add_ClusterServicer_to_server(servicer, server):
                     servicer.Elect,
                     request_deserializer=exo_dot_cluster__pb2.ElectionMessage.FromString,
                     response_serializer=exo_dot_cluster__pb2.ElectionMessage.SerializeToString,
+            ),
+            'ListModelFiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModelFiles,
+                    request_deserializer=exo_dot_cluster__pb2.ListModelFilesRequest.FromString,
+                    response_serializer=exo_dot_cluster__pb2.ModelFileList.SerializeToString,
             ),
             'FetchFile': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchFile,
@@ -289,6 +308,33 @@ class Cluster:
             '/exo.cluster.Cluster/Elect',
             exo_dot_cluster__pb2.ElectionMessage.SerializeToString,
             exo_dot_cluster__pb2.ElectionMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModelFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/exo.cluster.Cluster/ListModelFiles',
+            exo_dot_cluster__pb2.ListModelFilesRequest.SerializeToString,
+            exo_dot_cluster__pb2.ModelFileList.FromString,
             options,
             channel_credentials,
             insecure,

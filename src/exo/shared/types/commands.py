@@ -6,14 +6,27 @@ from typing import Annotated, Literal
 from pydantic import Field, TypeAdapter
 
 from exo.shared.types.frozen import FrozenModel
-from exo.shared.types.ids import InstanceId, ModelId, NodeId
+from exo.shared.types.ids import InstanceId, ModelId
+from exo.shared.types.state import InstanceRank
 
 
 class CreateInstance(FrozenModel):
+    """An instance on the given ranks, as the sender placed it."""
+
     kind: Literal["create_instance"] = "create_instance"
     instance_id: InstanceId
     model_id: ModelId
-    node_id: NodeId
+    ranks: tuple[InstanceRank, ...] = Field(min_length=1)
+
+
+class PlaceInstance(FrozenModel):
+    """An instance where the master's placement puts it."""
+
+    kind: Literal["place_instance"] = "place_instance"
+    instance_id: InstanceId
+    model_id: ModelId
+    min_nodes: int = Field(default=1, ge=1)
+    max_nodes: int | None = Field(default=None, ge=1)
 
 
 class DeleteInstance(FrozenModel):
@@ -21,5 +34,8 @@ class DeleteInstance(FrozenModel):
     instance_id: InstanceId
 
 
-Command = Annotated[CreateInstance | DeleteInstance, Field(discriminator="kind")]
+Command = Annotated[
+    CreateInstance | PlaceInstance | DeleteInstance,
+    Field(discriminator="kind"),
+]
 command_adapter: TypeAdapter[Command] = TypeAdapter(Command)

@@ -4,8 +4,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
 
+from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.frozen import FrozenModel
-from exo.shared.types.ids import InstanceId, NodeId
+from exo.shared.types.ids import InstanceId, ModelId, NodeId
+from exo.shared.types.model_card import ModelCard
 from exo.shared.types.runner import RunnerStatus
 from exo.shared.types.state import Instance, NodeTelemetry
 
@@ -53,6 +55,27 @@ class RunnerStatusChanged(FrozenModel):
     error: str | None = None
 
 
+class ModelCardPublished(FrozenModel):
+    """A node described a model it has (or fetched the description of)."""
+
+    kind: Literal["model_card_published"] = "model_card_published"
+    card: ModelCard
+
+
+class DownloadProgressed(FrozenModel):
+    kind: Literal["download_progressed"] = "download_progressed"
+    node_id: NodeId
+    progress: DownloadProgress
+
+
+class DownloadRemoved(FrozenModel):
+    """The node deleted its files of the model."""
+
+    kind: Literal["download_removed"] = "download_removed"
+    node_id: NodeId
+    model_id: ModelId
+
+
 Event = Annotated[
     NodeJoined
     | NodeTelemetryReported
@@ -60,7 +83,10 @@ Event = Annotated[
     | MasterElected
     | InstanceCreated
     | InstanceDeleted
-    | RunnerStatusChanged,
+    | RunnerStatusChanged
+    | ModelCardPublished
+    | DownloadProgressed
+    | DownloadRemoved,
     Field(discriminator="kind"),
 ]
 

@@ -4,8 +4,10 @@ from typing import Literal
 
 from pydantic import Field
 
+from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
+from exo.shared.types.model_card import ModelCard
 from exo.shared.types.runner import RunnerStatus
 
 MlxBackend = Literal["metal", "cuda", "cpu"]
@@ -18,6 +20,7 @@ class NodeTelemetry(FrozenModel):
     cpu_count: int
     platform: str
     mlx_backend: MlxBackend
+    accepts_instances: bool = True  # False: a node started with --no-worker
 
 
 class NodeInfo(FrozenModel):
@@ -30,12 +33,38 @@ class NodeInfo(FrozenModel):
     last_seen_ms: int
 
 
+class InstanceRank(FrozenModel):
+    """One node's part of an instance: layers [start_layer, end_layer)."""
+
+    node_id: NodeId
+    start_layer: int = Field(ge=0)
+    end_layer: int  # exclusive
+
+
 class Instance(FrozenModel):
-    """A model served by runners; one node for now (placement issue: ranks)."""
+    """A model served by one runner per rank, the ranks in pipeline order."""
 
     instance_id: InstanceId
     model_id: ModelId
-    node_id: NodeId
+    ranks: tuple[InstanceRank, ...] = Field(min_length=1)
+    # "ip:port" each rank's runner listens on for mx.distributed (ring backend),
+    # in rank order; empty for a single rank.
+    ring_hosts: tuple[str, ...] = ()
+
+    @property
+    def n_layers(self) -> int:
+        return self.ranks[-1].end_layer
+
+    @property
+    def node_ids(self) -> tuple[NodeId, ...]:
+        return tuple(rank.node_id for rank in self.ranks)
+
+    def rank_of(self, node_id: NodeId) -> int | None:
+        """This node's rank in the instance, None when it has no part in it."""
+        for index, rank in enumerate(self.ranks):
+            if rank.node_id == node_id:
+                return index
+        return None
 
 
 class RunnerInfo(FrozenModel):
@@ -45,11 +74,33 @@ class RunnerInfo(FrozenModel):
     error: str | None = None
 
 
+InstanceStatus = Literal["downloading", "starting", "loading", "ready", "running", "failed"]
+
+
 class State(FrozenModel):
     nodes: dict[NodeId, NodeInfo] = Field(default_factory=dict)
     instances: dict[InstanceId, Instance] = Field(default_factory=dict)
-    runners: dict[InstanceId, RunnerInfo] = Field(default_factory=dict)
+    # The runner of each rank: by instance, then by node.
+    runners: dict[InstanceId, dict[NodeId, RunnerInfo]] = Field(default_factory=dict)
+    # What each node has of each model (complete, downloading, failed).
+    downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = Field(default_factory=dict)
+    # Every model some node has described (placement needs its layers and bytes).
+    cards: dict[ModelId, ModelCard] = Field(default_factory=dict)
     master_id: NodeId | None = None
     master_term: int = 0
     # Index of the last applied event; -1 before the first.
     last_idx: int = -1
+
+    def instance_status(self, instance: Instance) -> InstanceStatus:
+        """The least advanced rank's status: failed if any rank failed, ready or
+        running only when every rank's runner is up."""
+        runners = self.runners.get(instance.instance_id, {})
+        statuses = [runners[n].status if n in runners else None for n in instance.node_ids]
+        if any(status in ("failed", "stopped") for status in statuses):
+            return "failed"
+        if any(status is None for status in statuses):
+            return "downloading"
+        for status in ("starting", "loading", "running"):
+            if status in statuses:
+                return status
+        return "ready"

@@ -5,10 +5,12 @@ here; a crash fails every waiting request with an error (never a hang) and the
 runner is started again after a back-off.
 """
 
+import json
 import math
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -50,6 +52,19 @@ class RunnerUnavailable(Exception):
 _SEND_ERRORS = (RunnerUnavailable, anyio.BrokenResourceError, OSError, TimeoutError)
 
 
+@dataclass(frozen=True)
+class PipelineRank:
+    """This runner's part of a multi-rank instance."""
+
+    rank: int
+    start_layer: int
+    end_layer: int
+    ring_hosts: tuple[str, ...]  # "ip:port" per rank, for mx.distributed's ring backend
+
+    def hostfile_json(self) -> str:
+        return json.dumps([[host] for host in self.ring_hosts])
+
+
 class RunnerSupervisor:
     def __init__(
         self,
@@ -58,8 +73,13 @@ class RunnerSupervisor:
         prefix_cache_bytes: int,
         cache_dir: Path,
         on_status: Callable[[RunnerStatus, str | None], None] = lambda status, error: None,
+        pipeline: PipelineRank | None = None,
+        restart: bool = True,
     ) -> None:
         self.model_id = model_id
+        self.pipeline = pipeline
+        # A rank of a ring is not restarted alone: its peers left the group too.
+        self.restart = restart
         self.model_dir = model_dir
         self.prefix_cache_bytes = prefix_cache_bytes
         self.cache_dir = cache_dir
@@ -98,7 +118,7 @@ class RunnerSupervisor:
         failures = 0
         while not self._stopping:
             reached_ready = await self._run_once()
-            if self._stopping:
+            if self._stopping or not self.restart:
                 return
             failures = 0 if reached_ready else failures + 1
             self.restarts += 1
@@ -118,10 +138,19 @@ class RunnerSupervisor:
             "--prefix-cache-bytes",
             str(self.prefix_cache_bytes),
         ]
+        env = runner_environment(self.cache_dir)
+        if self.pipeline is not None:
+            hostfile = self.cache_dir / f"ring-{self.model_id.replace('/', '--')}.json"
+            hostfile.write_text(self.pipeline.hostfile_json())
+            command += [
+                "--start-layer",
+                str(self.pipeline.start_layer),
+                "--end-layer",
+                str(self.pipeline.end_layer),
+            ]
+            env |= {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(self.pipeline.rank)}
         reached_ready = False
-        process = await anyio.open_process(
-            command, env=runner_environment(self.cache_dir), stderr=None
-        )
+        process = await anyio.open_process(command, env=env, stderr=None)
         self._process = process
         try:
             assert process.stdout is not None

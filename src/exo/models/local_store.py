@@ -1,0 +1,148 @@
+"""The models on this node: one folder per model in the models directory, plus
+read-only model directories (`EXO_MODELS_READ_ONLY_DIRS`) that are used in
+place and never written."""
+
+import hashlib
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loguru import logger
+
+from exo.models.builtin import DEFAULT_MODEL_ID, ensure_default_model
+from exo.models.cards import CONFIG_FILE, ModelCardError, card_from_folder
+from exo.models.store import model_dir, validate_model_id
+from exo.shared.types.ids import ModelId
+from exo.shared.types.model_card import ModelCard
+
+PARTIAL_SUFFIX = ".partial"
+_HASH_CHUNK = 1 << 20
+
+
+class ModelUnavailable(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    path: str  # relative, '/'-separated
+    size: int
+    sha256: str
+
+
+@dataclass
+class ModelStore:
+    models_dir: Path
+    read_only_dirs: tuple[Path, ...] = ()
+    # sha256 by (file, size, mtime): hashing a multi-GB file once is enough.
+    _digests: dict[tuple[Path, int, int], str] = field(default_factory=dict)
+
+    def writable_dir(self, model_id: ModelId) -> Path:
+        """Where downloads of `model_id` go."""
+        return model_dir(self.models_dir, model_id)
+
+    def find(self, model_id: ModelId) -> Path | None:
+        """The model's folder (with a config.json): the models directory first,
+        then the read-only ones in order."""
+        for root in (self.models_dir, *self.read_only_dirs):
+            path = model_dir(root, model_id)
+            if (path / CONFIG_FILE).is_file():
+                return path
+        return None
+
+    def resolve(self, model_id: ModelId) -> Path:
+        """The model's folder, importing the built-in model on first use."""
+        if model_id == DEFAULT_MODEL_ID and self.find(model_id) is None:
+            return ensure_default_model(self.models_dir)
+        path = self.find(model_id)
+        if path is None:
+            raise ModelUnavailable(
+                f"model {model_id!r} is not in {self.models_dir}; import one with "
+                "'exo import-gguf PATH --model-id ID', or place it with POST /place_instance"
+            )
+        return path
+
+    def complete_files(self, model_id: ModelId, files: set[str] | None = None) -> set[str]:
+        """Relative paths of the model's complete files here. With `files`, a
+        read-only copy counts only if it has all of them (it cannot be completed)."""
+        writable = self.writable_dir(model_id)
+        for root in self.read_only_dirs:
+            folder = model_dir(root, model_id)
+            have = _files_in(folder)
+            if have and (files is None or files <= have):
+                return have
+        return _files_in(writable)
+
+    def folder_with(self, model_id: ModelId, files: set[str]) -> Path | None:
+        """A folder here that holds all of `files`."""
+        for root in (*self.read_only_dirs, self.models_dir):
+            folder = model_dir(root, model_id)
+            if files <= _files_in(folder):
+                return folder
+        return None
+
+    def local_models(self) -> list[tuple[ModelCard, set[str]]]:
+        """Every model folder here that can be described, with its files."""
+        found: dict[ModelId, tuple[ModelCard, set[str]]] = {}
+        for root in (self.models_dir, *self.read_only_dirs):
+            if not root.is_dir():
+                continue
+            for folder in sorted(root.iterdir()):
+                if not (folder / CONFIG_FILE).is_file():
+                    continue
+                try:
+                    model_id = validate_model_id(folder.name.replace("--", "/", 1))
+                    if model_id in found:
+                        continue
+                    found[model_id] = (card_from_folder(model_id, folder), _files_in(folder))
+                except (ValueError, ModelCardError, OSError) as error:
+                    logger.warning(f"ignoring model folder {folder}: {error}")
+        return list(found.values())
+
+    def file(self, model_id: ModelId, path: str) -> Path | None:
+        """A complete file of the model here, or None; never outside its folder."""
+        folder = self.find(model_id)
+        if folder is None or path.endswith(PARTIAL_SUFFIX):
+            return None
+        candidate = (folder / path).resolve()
+        if not candidate.is_relative_to(folder.resolve()) or not candidate.is_file():
+            return None
+        return candidate
+
+    def list_files(self, model_id: ModelId) -> list[LocalFile]:
+        """The model's complete files with sizes and hashes (hashes cached)."""
+        folder = self.find(model_id)
+        if folder is None:
+            return []
+        return [self._describe(folder, name) for name in sorted(_files_in(folder))]
+
+    def _describe(self, folder: Path, name: str) -> LocalFile:
+        path = folder / name
+        stat = path.stat()
+        key = (path, stat.st_size, stat.st_mtime_ns)
+        digest = self._digests.get(key)
+        if digest is None:
+            hasher = hashlib.sha256()
+            with path.open("rb") as f:
+                while chunk := f.read(_HASH_CHUNK):
+                    hasher.update(chunk)
+            digest = self._digests[key] = hasher.hexdigest()
+        return LocalFile(path=name, size=stat.st_size, sha256=digest)
+
+    def delete(self, model_id: ModelId) -> bool:
+        """Delete the writable copy (read-only copies stay); False if none."""
+        folder = self.writable_dir(model_id)
+        if not folder.exists():
+            return False
+        shutil.rmtree(folder)
+        return True
+
+
+def _files_in(folder: Path) -> set[str]:
+    if not folder.is_dir():
+        return set()
+    return {
+        path.relative_to(folder).as_posix()
+        for path in folder.rglob("*")
+        if path.is_file() and not path.name.endswith(PARTIAL_SUFFIX)
+    }
