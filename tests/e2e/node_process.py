@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -121,11 +121,13 @@ def running_node(
     *extra_args: str,
     model: str | None = None,
     data_dir: Path | None = None,
+    ready: Literal["runner", "api"] = "runner",
 ) -> Iterator[NodeProcess]:
-    """A node whose runner is ready (or whose API is up, with `--no-worker`)."""
+    """A node whose runner is ready (or whose API is up, with `--no-worker` or
+    `ready="api"`)."""
     node = start_node(tmp_path, models_dir, *extra_args, model=model, data_dir=data_dir)
     try:
-        if "--no-worker" in extra_args:
+        if "--no-worker" in extra_args or ready == "api":
             node.wait_for_api()
         else:
             node.wait_for_runner("ready")

@@ -90,7 +90,9 @@ def test_files_come_from_a_peer_and_shards_get_only_their_files(
     best = previews["placements"][0]
     assert a_id in [r["node_id"] for r in best["ranks"]]  # the node with the files wins
     placed = httpx.post(
-        f"{c.base_url}/place_instance", json={"model_id": MODEL, "min_nodes": 2}, timeout=20
+        f"{c.base_url}/place_instance",
+        json={"model_id": MODEL, "min_nodes": 2, "max_nodes": 2},
+        timeout=20,
     )
     assert placed.status_code == 201, placed.text
     ranks = placed.json()["ranks"]

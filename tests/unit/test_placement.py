@@ -244,11 +244,11 @@ def test_the_error_says_when_ram_suffices_but_no_split_fits() -> None:
 @pytest.mark.parametrize(
     ("state", "request_", "message"),
     [
-        (State(), PlacementRequest(), "no node has reported its memory yet"),
+        (State(), PlacementRequest(), "no node that runs models has reported its memory yet"),
         (
             State(nodes={NodeId("a"): node("a", 8).model_copy(update={"telemetry": None})}),
             PlacementRequest(),
-            "no node has reported its memory yet",
+            "no node that runs models has reported its memory yet",
         ),
         (STATE, PlacementRequest(min_nodes=4), "min_nodes=4 but only 3 node(s) have reported"),
         (STATE, PlacementRequest(min_nodes=3, max_nodes=2), "max_nodes=2 is less than min_nodes=3"),

@@ -1,46 +1,221 @@
+"""`plan`: the next action of a worker, one table row per situation."""
+
+from collections.abc import Iterable, Mapping, Set
+from dataclasses import replace
+
 import pytest
 
+from exo.models.cards import shard_files
+from exo.shared.types.downloads import DownloadProgress, DownloadStatus
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
-from exo.shared.types.state import Instance, NodeInfo, State
-from exo.worker.plan import StartRunner, StopRunner, plan
+from exo.shared.types.state import Instance, InstanceRank, NodeInfo, State
+from exo.worker.plan import (
+    Action,
+    CancelDownload,
+    LocalFacts,
+    StartDownload,
+    StartRunner,
+    StopRunner,
+    needed_files,
+    plan,
+)
+from tests.unit.sharded_card import CONFIG, TOKENIZER, W1, W2, W3, sharded_card
 
-ME, OTHER = NodeId("me"), NodeId("other")
-M = ModelId("m")
+ME, OTHER, THIRD = NodeId("me"), NodeId("other"), NodeId("third")
+M = ModelId("org/m")  # 4 layers; its card is in the state
+N = ModelId("org/n")  # another model with a card
+NO_CARD = ModelId("org/no-card")
+CARD, N_CARD = sharded_card(M), sharded_card(N)
+ALL = frozenset(CARD.files)
+# Files of each half of the model (layers [0, 2) and [2, 4)).
+FIRST = frozenset({W1, CONFIG, TOKENIZER})
+SECOND = frozenset({W2, W3, CONFIG, TOKENIZER})
 
 
-def inst(i: str, node: NodeId) -> Instance:
-    return Instance(instance_id=InstanceId(i), model_id=M, node_id=node)
+def inst(i: str, *nodes: NodeId, model_id: ModelId = M) -> Instance:
+    """One rank per node; one node gets all 4 layers, two split them 2 + 2, three 1 + 1 + 2."""
+    bounds = {1: (0, 4), 2: (0, 2, 4), 3: (0, 1, 2, 4)}[len(nodes)]
+    ranks = tuple(
+        InstanceRank(node_id=n, start_layer=bounds[k], end_layer=bounds[k + 1])
+        for k, n in enumerate(nodes)
+    )
+    return Instance(instance_id=InstanceId(i), model_id=model_id, ranks=ranks)
 
 
-def state(*instances: Instance) -> State:
+def dl(
+    have: Iterable[str], status: DownloadStatus = "complete", model_id: ModelId = M
+) -> DownloadProgress:
+    files = tuple(sorted(have))
+    return DownloadProgress(
+        model_id=model_id, status=status, files_total=5, files_done=len(files),
+        bytes_total=0, bytes_done=0, have_files=files,
+    )  # fmt: skip
+
+
+def state(*instances: Instance, downloads: dict[NodeId, DownloadProgress] | None = None) -> State:
     nodes = {
         n: NodeInfo(node_id=n, grpc_address=None, started_at_ms=0, last_seen_ms=0)
-        for n in (ME, OTHER)
+        for n in (ME, OTHER, THIRD)
     }
-    return State(nodes=nodes, instances={i.instance_id: i for i in instances})
+    return State(
+        nodes=nodes,
+        instances={i.instance_id: i for i in instances},
+        downloads={n: {p.model_id: p} for n, p in (downloads or {}).items()},
+        cards={M: CARD, N: N_CARD},
+    )
 
 
-@pytest.mark.parametrize(
-    ("current", "running", "action"),
-    [
-        (state(), set(), None),
-        (state(inst("a", ME)), set(), StartRunner(inst("a", ME))),
-        (state(inst("a", ME)), {"a"}, None),
-        (state(inst("a", OTHER)), set(), None),
-        # Deleted: stop it.
-        (state(), {"a"}, StopRunner(InstanceId("a"))),
-        # Stops come before starts, so memory is freed first.
-        (state(inst("b", ME)), {"a"}, StopRunner(InstanceId("a"))),
-        # Stable order among starts.
-        (state(inst("c", ME), inst("b", ME)), set(), StartRunner(inst("b", ME))),
-        (state(inst("c", ME), inst("b", ME)), {"b"}, StartRunner(inst("c", ME))),
-    ],
-)
-def test_plan(current: State, running: set[str], action: object) -> None:
-    assert plan(ME, current, {InstanceId(r) for r in running}) == action
+def facts(
+    running: Iterable[str] = (),
+    have: Mapping[ModelId, Set[str]] | None = None,
+    downloading: Iterable[ModelId] = (),
+    failed: Iterable[str] = (),
+    stale: Iterable[str] = (),
+) -> LocalFacts:
+    return LocalFacts(
+        running=frozenset(InstanceId(i) for i in running),
+        have_files=have or {},
+        downloading=frozenset(downloading),
+        download_failed=frozenset(InstanceId(i) for i in failed),
+        stale=frozenset(InstanceId(i) for i in stale),
+    )
 
 
-def test_stale_instances_from_before_a_restart_get_no_runner() -> None:
-    current = state(inst("old", ME), inst("new", ME))
-    assert plan(ME, current, set(), stale={InstanceId("old")}) == StartRunner(inst("new", ME))
-    assert plan(ME, current, {InstanceId("new")}, stale={InstanceId("old")}) is None
+def fetch(i: str, files: frozenset[str] | None, model_id: ModelId = M) -> StartDownload:
+    return StartDownload(model_id=model_id, files=files, instance_id=InstanceId(i))
+
+
+SOLO, RING0, RING1 = inst("a", ME), inst("r", ME, OTHER), inst("r", OTHER, ME)
+MINE = {M: ALL}  # this node has every file of M
+
+CASES: list[tuple[str, State, LocalFacts, Action | None]] = [
+    ("nothing to do", state(), facts(), None),
+    ("an instance of another node", state(inst("a", OTHER)), facts(), None),
+    ("already running", state(SOLO), facts(running=["a"], have=MINE), None),
+    # Stops first, to free memory, then cancels, then downloads and starts.
+    ("the runner of a deleted instance is stopped", state(), facts(running=["a"]),
+     StopRunner(InstanceId("a"))),
+    ("stop comes before start", state(inst("b", ME)), facts(running=["a"], have=MINE),
+     StopRunner(InstanceId("a"))),
+    ("stop comes before cancel", state(), facts(running=["a"], downloading=[M]),
+     StopRunner(InstanceId("a"))),
+    ("stop comes before a download", state(inst("b", ME)), facts(running=["a"]),
+     StopRunner(InstanceId("a"))),
+    ("a download no instance needs is cancelled", state(), facts(downloading=[M]),
+     CancelDownload(M)),
+    ("a download for another node's instance is cancelled", state(inst("a", OTHER)),
+     facts(downloading=[M]), CancelDownload(M)),
+    ("a download for an instance already running is cancelled", state(SOLO),
+     facts(running=["a"], downloading=[M]), CancelDownload(M)),
+    ("a download of a stale instance is cancelled", state(SOLO),
+     facts(downloading=[M], stale=["a"]), CancelDownload(M)),
+    ("cancel comes before a download", state(SOLO), facts(downloading=[N]), CancelDownload(N)),
+    ("a needed download is kept", state(SOLO), facts(downloading=[M]), None),
+    # Downloads: exactly the files of this node's rank.
+    ("a single rank fetches every file", state(SOLO), facts(), fetch("a", ALL)),
+    ("rank 0 of two fetches the first half", state(RING0), facts(), fetch("r", FIRST)),
+    ("rank 1 of two fetches the second half", state(RING1), facts(), fetch("r", SECOND)),
+    ("an unknown card: fetch everything", state(inst("a", ME, model_id=NO_CARD)), facts(),
+     fetch("a", None, NO_CARD)),
+    ("partial files in the state: fetch", state(SOLO, downloads={ME: dl({W1, W2}, "downloading")}),
+     facts(), fetch("a", ALL)),
+    ("a failed download in the state without files: fetch",
+     state(SOLO, downloads={ME: dl((), "failed")}), facts(), fetch("a", ALL)),
+    ("files of another model do not count",
+     state(SOLO, downloads={ME: dl(ALL, model_id=N)}), facts(), fetch("a", ALL)),
+    ("the local files override a complete state",
+     state(SOLO, downloads={ME: dl(ALL)}), facts(have={M: frozenset({CONFIG})}), fetch("a", ALL)),
+    ("the local files override an empty state", state(SOLO), facts(have=MINE),
+     StartRunner(SOLO, 0)),
+    ("the local files of another model do not count", state(SOLO), facts(have={N: ALL}),
+     fetch("a", ALL)),
+    ("a rank needs only its own files", state(RING0, downloads={OTHER: dl(SECOND)}),
+     facts(have={M: FIRST}), StartRunner(RING0, 0)),
+    ("rank 1's files are not rank 0's", state(RING1, downloads={OTHER: dl(FIRST)}),
+     facts(have={M: FIRST}), fetch("r", SECOND)),
+    ("no second download while one runs", state(SOLO), facts(downloading=[M]), None),
+    ("no retry after a failed download", state(SOLO), facts(failed=["a"]), None),
+    ("a failed download of one instance does not hold back another",
+     state(inst("a", ME), inst("b", ME, model_id=N)), facts(failed=["a"]),
+     fetch("b", frozenset(N_CARD.files), N)),
+    # Runners: only when every other rank's node has its files, by the state.
+    ("the state's complete files start the runner", state(SOLO, downloads={ME: dl(ALL)}),
+     facts(), StartRunner(SOLO, 0)),
+    ("other rank has no files", state(RING0), facts(have=MINE), None),
+    ("other rank is still downloading",
+     state(RING0, downloads={OTHER: dl({W2, CONFIG}, "downloading")}), facts(have=MINE), None),
+    ("other rank has only this rank's files", state(RING0, downloads={OTHER: dl(FIRST)}),
+     facts(have=MINE), None),
+    ("other rank's download failed", state(RING0, downloads={OTHER: dl((), "failed")}),
+     facts(have=MINE), None),
+    ("other rank complete: rank 0 starts", state(RING0, downloads={OTHER: dl(SECOND)}),
+     facts(have=MINE), StartRunner(RING0, 0)),
+    ("other rank complete: rank 1 starts", state(RING1, downloads={OTHER: dl(FIRST)}),
+     facts(have=MINE), StartRunner(RING1, 1)),
+    ("other rank has its files while fetching more",
+     state(RING0, downloads={OTHER: dl(SECOND, "downloading")}), facts(have=MINE),
+     StartRunner(RING0, 0)),
+    ("three ranks, one other missing",
+     state(inst("t", OTHER, ME, THIRD), downloads={OTHER: dl(ALL)}), facts(have=MINE), None),
+    ("three ranks, all there",
+     state(inst("t", OTHER, THIRD, ME), downloads={OTHER: dl(ALL), THIRD: dl(ALL)}),
+     facts(have=MINE), StartRunner(inst("t", OTHER, THIRD, ME), 2)),
+    # Stable order among instances.
+    ("the first instance id first", state(inst("c", ME), inst("b", ME)), facts(have=MINE),
+     StartRunner(inst("b", ME), 0)),
+    ("then the next", state(inst("c", ME), inst("b", ME)), facts(running=["b"], have=MINE),
+     StartRunner(inst("c", ME), 0)),
+    ("a waiting instance does not block the next", state(RING0, inst("s", ME)),
+     facts(have=MINE), StartRunner(inst("s", ME), 0)),
+    # Stale instances (from before a restart, being deleted) get nothing.
+    ("stale: no download", state(SOLO), facts(stale=["a"]), None),
+    ("stale: no runner", state(SOLO), facts(have=MINE, stale=["a"]), None),
+    ("stale: a runner of it is stopped", state(SOLO), facts(running=["a"], stale=["a"]),
+     StopRunner(InstanceId("a"))),
+    ("stale: the others still start", state(inst("old", ME), inst("new", ME)),
+     facts(have=MINE, stale=["old"]), StartRunner(inst("new", ME), 0)),
+    ("stale: and nothing once they run", state(inst("old", ME), inst("new", ME)),
+     facts(running=["new"], have=MINE, stale=["old"]), None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "current", "local", "action"), CASES, ids=[c[0] for c in CASES])
+def test_plan(name: str, current: State, local: LocalFacts, action: Action | None) -> None:
+    assert plan(ME, current, local) == action
+
+
+def test_halves_are_the_cards_shard_files() -> None:
+    assert shard_files(CARD, 0, 2) == FIRST
+    assert shard_files(CARD, 2, 4) == SECOND
+    assert needed_files(state(RING1), RING1, ME) == SECOND
+    assert needed_files(state(RING1), RING1, THIRD) is None
+
+
+def test_carrying_out_the_plan_ends() -> None:
+    """Following the actions (downloads finish, runners start) reaches None."""
+    current = state(RING0, inst("b", ME, model_id=N), downloads={OTHER: dl(SECOND)})
+    local = facts(running=["gone"], downloading=[NO_CARD])
+    taken: list[Action] = []
+    while (action := plan(ME, current, local)) is not None:
+        taken.append(action)
+        assert len(taken) < 10
+        match action:
+            case StopRunner():
+                local = replace(local, running=local.running - {action.instance_id})
+            case CancelDownload():
+                local = replace(local, downloading=local.downloading - {action.model_id})
+            case StartDownload():  # finished at once
+                assert action.files is not None
+                local = replace(
+                    local, have_files={**local.have_files, action.model_id: action.files}
+                )
+            case StartRunner():
+                local = replace(local, running={*local.running, action.instance.instance_id})
+    assert taken == [
+        StopRunner(InstanceId("gone")),
+        CancelDownload(NO_CARD),
+        fetch("b", frozenset(N_CARD.files), N),
+        StartRunner(inst("b", ME, model_id=N), 0),
+        fetch("r", FIRST),
+        StartRunner(RING0, 0),
+    ]

@@ -93,6 +93,7 @@ def test_service_shape() -> None:
         "PublishEvents": ("EventBatch", "Ack", False, False),
         "SubscribeEvents": ("SubscribeRequest", "IndexedEventEnvelope", False, True),
         "Elect": ("ElectionMessage", "ElectionMessage", False, False),
+        "ListModelFiles": ("ListModelFilesRequest", "ModelFileList", False, False),
         "FetchFile": ("FetchFileRequest", "FileChunk", False, True),
     }
     assert cluster_pb2.DESCRIPTOR.package == "exo.cluster"

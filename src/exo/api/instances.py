@@ -13,13 +13,19 @@ from pydantic import BaseModel, Field, ValidationError
 
 from exo.api.errors import APIError
 from exo.master.placement import PlacementError, PlacementRequest, preview
+from exo.models.cards import ModelCardError
+from exo.models.hub_card import card_from_source
 from exo.models.store import InvalidModelId, validate_model_id
 from exo.shared.cluster_view import ClusterView
 from exo.shared.types.commands import Command, CreateInstance, DeleteInstance, PlaceInstance
+from exo.shared.types.events import ModelCardPublished
 from exo.shared.types.ids import InstanceId, ModelId, NodeId, new_instance_id
 from exo.shared.types.model_card import ModelCard
 from exo.shared.types.state import Instance, InstanceRank, State
+from exo.worker.downloads.hub import HubSource, hub_enabled
+from exo.worker.downloads.source import DownloadError, SourceUnavailable, TransientError
 
+HUB_CARD_TIMEOUT_SECONDS = 60.0
 # How long POST /place_instance waits for the new instance to show in the state.
 PLACED_WAIT_SECONDS = 10.0
 AWAIT_POLL_SECONDS = 0.5
@@ -45,21 +51,6 @@ def model_id_param(value: str, param: str = "model_id") -> ModelId:
         raise APIError(
             400, str(error), "invalid_request_error", "invalid_request", param
         ) from error
-
-
-def known_card(state: State, model_id: ModelId) -> ModelCard:
-    card = state.cards.get(model_id)
-    if card is None:
-        known = ", ".join(sorted(state.cards)) or "none"
-        raise APIError(
-            404,
-            f"no node has model {model_id!r} (models the cluster knows: {known}); put it in "
-            "a node's models directory (or a read-only one: EXO_MODELS_READ_ONLY_DIRS)",
-            "invalid_request_error",
-            "model_not_found",
-            "model_id",
-        )
-    return card
 
 
 def instance_view(state: State, instance: Instance) -> dict[str, Any]:
@@ -94,6 +85,45 @@ def instance_routes(
 ) -> APIRouter:
     router = APIRouter()
 
+    async def known_card(model_id: ModelId) -> ModelCard:
+        """The model's card: from the state, else from the hub (then shared with
+        the cluster)."""
+        card = cluster.state.cards.get(model_id)
+        if card is not None:
+            return card
+        where = "a node's models directory (or a read-only one: EXO_MODELS_READ_ONLY_DIRS)"
+        if not hub_enabled():
+            raise APIError(
+                404,
+                f"no node has model {model_id!r} (models the cluster knows: "
+                f"{', '.join(sorted(cluster.state.cards)) or 'none'}); put it in {where}",
+                "invalid_request_error",
+                "model_not_found",
+                "model_id",
+            )
+        try:
+            with anyio.fail_after(HUB_CARD_TIMEOUT_SECONDS):
+                card = await card_from_source(HubSource(), model_id)
+        except SourceUnavailable as error:
+            raise APIError(
+                404,
+                f"no node has model {model_id!r} and the hub does not either ({error}); "
+                f"put it in {where}",
+                "invalid_request_error",
+                "model_not_found",
+                "model_id",
+            ) from error
+        except (TransientError, TimeoutError) as error:
+            raise APIError(
+                503, f"the hub is unreachable: {error}", "server_error", "hub_unavailable"
+            ) from error
+        except (DownloadError, ModelCardError) as error:
+            raise APIError(
+                400, f"cannot describe {model_id}: {error}", "invalid_request_error", "bad_model"
+            ) from error
+        cluster.publish(ModelCardPublished(card=card))
+        return card
+
     async def placed(instance_id: InstanceId) -> dict[str, Any]:
         """The instance once this node's state shows it (bounded wait)."""
         with anyio.move_on_after(PLACED_WAIT_SECONDS):
@@ -108,7 +138,7 @@ def instance_routes(
     async def create_instance(body: InstanceRequest) -> dict[str, Any]:
         """Serve a whole model on one node (this one by default)."""
         model_id = model_id_param(body.model_id)
-        card = known_card(cluster.state, model_id)
+        card = await known_card(model_id)
         node = NodeId(body.node_id) if body.node_id else cluster.node_id
         instance_id = new_instance_id()
         rank = InstanceRank(node_id=node, start_layer=0, end_layer=card.n_layers)
@@ -120,7 +150,7 @@ def instance_routes(
         """Let the master place a model across the cluster's nodes; their workers
         fetch what their ranks need, then start the runners."""
         model_id = model_id_param(body.model_id)
-        known_card(cluster.state, model_id)
+        await known_card(model_id)
         instance_id = new_instance_id()
         await command(
             PlaceInstance(
@@ -137,7 +167,7 @@ def instance_routes(
         model_id: str, min_nodes: int = 1, max_nodes: int | None = None
     ) -> dict[str, Any]:
         """Every feasible placement of a model on the cluster, best first, or why none fits."""
-        card = known_card(cluster.state, model_id_param(model_id))
+        card = await known_card(model_id_param(model_id))
         try:
             request = PlacementRequest(min_nodes=min_nodes, max_nodes=max_nodes)
             placements = preview(card, cluster.state, None, request)

@@ -99,10 +99,18 @@ def decide(state: State, command: Command) -> list[Event]:
                     "directory or make it reachable on the Hugging Face hub",
                     not_found=True,
                 )
+            # Nodes that serve the model already cannot take another instance of it.
+            serving = {
+                node_id
+                for instance in state.instances.values()
+                if instance.model_id == command.model_id
+                for node_id in instance.node_ids
+            }
+            free_nodes = {k: v for k, v in state.nodes.items() if k not in serving}
             try:
                 placement = place(
                     card,
-                    state,
+                    state.model_copy(update={"nodes": free_nodes}),
                     request=PlacementRequest(
                         min_nodes=command.min_nodes, max_nodes=command.max_nodes
                     ),

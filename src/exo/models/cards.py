@@ -351,7 +351,8 @@ def _is_quantization_parameter(name: str, tensors: Mapping[str, TensorInfo]) -> 
     return weight is not None and weight.dtype not in _FLOAT_DTYPES
 
 
-def _is_metadata_file(name: str) -> bool:
+def is_metadata_file(name: str) -> bool:
+    """A file a node needs besides the weights (config, tokenizer, index, ...)."""
     return (
         not name.startswith(".")
         and name not in _NOT_NEEDED_NAMES
@@ -421,7 +422,7 @@ def card_from_folder(model_id: ModelId, path: Path) -> ModelCard:
         dominant = max(float_bytes, key=lambda d: float_bytes[d], default="F16")
         dtype_bytes = _DTYPE_BYTES[dominant]
     weight_files = _weight_files_from_map(weight_map, shape.n_layers, sizes)
-    others = sorted(p.name for p in path.iterdir() if p.is_file() and _is_metadata_file(p.name))
+    others = sorted(p.name for p in path.iterdir() if p.is_file() and is_metadata_file(p.name))
     return ModelCard(
         model_id=model_id,
         **shape.model_dump(),

@@ -102,10 +102,14 @@ class ModelStore:
     def file(self, model_id: ModelId, path: str) -> Path | None:
         """A complete file of the model here, or None; never outside its folder."""
         folder = self.find(model_id)
-        if folder is None or path.endswith(PARTIAL_SUFFIX):
+        if folder is None:
             return None
         candidate = (folder / path).resolve()
-        if not candidate.is_relative_to(folder.resolve()) or not candidate.is_file():
+        if (
+            not candidate.is_relative_to(folder.resolve())
+            or not candidate.is_file()
+            or candidate.name.endswith(PARTIAL_SUFFIX)
+        ):
             return None
         return candidate
 

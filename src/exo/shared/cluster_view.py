@@ -4,7 +4,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from exo.shared.types.commands import Command
-from exo.shared.types.events import IndexedEvent
+from exo.shared.types.events import Event, IndexedEvent
 from exo.shared.types.ids import NodeId
 from exo.shared.types.state import State
 
@@ -21,3 +21,5 @@ class ClusterView(Protocol):
     def subscribe(self, from_idx: int) -> AsyncIterator[IndexedEvent]: ...
 
     async def send_command(self, command: Command) -> None: ...
+
+    def publish(self, *events: Event) -> None: ...

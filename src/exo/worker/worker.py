@@ -2,7 +2,6 @@
 rank the cluster state places on this node, and stops what is no longer needed
 (see `plan`)."""
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from exo.shared.types.events import (
 from exo.shared.types.ids import InstanceId, ModelId
 from exo.shared.types.runner import RunnerStatus
 from exo.shared.types.state import Instance
-from exo.worker.downloads.hub import HubSource
+from exo.worker.downloads.hub import HubSource, hub_enabled
 from exo.worker.downloads.peer import PeerSource
 from exo.worker.downloads.source import DownloadError, FileSource
 from exo.worker.downloads.transfer import download_files
@@ -52,11 +51,6 @@ class _Running:
     served: ServedModel | None  # None: it could not start (the state says why)
     runner: RunnerSupervisor | None = None
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-
-
-def hub_enabled() -> bool:
-    """The hub is a source unless `HF_HUB_OFFLINE` says otherwise (as in huggingface_hub)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes")
 
 
 class Worker:

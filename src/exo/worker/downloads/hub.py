@@ -167,3 +167,8 @@ def _bytes_to_skip(response: httpx.Response, offset: int) -> int:
             f"{response.headers.get('content-range', 'without Content-Range')}"
         )
     return 0
+
+
+def hub_enabled() -> bool:
+    """The hub is a source unless `HF_HUB_OFFLINE` says otherwise (as in huggingface_hub)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes")

@@ -1,0 +1,87 @@
+"""A model only the hub has: previewed from its card (config and index, no
+weights), placed, downloaded over the hub's HTTP protocol, then served."""
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from exo.models.cards import card_from_folder
+from tests.e2e.node_process import running_node
+from tests.hub_server import FakeHub
+from tests.integration.cluster_process import wait_until
+from tests.model_factory import make_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+MODEL = "hub-org/tiny-hub-llama"
+
+
+def test_a_hub_model_is_previewed_placed_downloaded_and_served(
+    tmp_path: Path, smollm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = make_tiny_llama(tmp_path / "hub" / "repo", smollm_dir, n_layers=4, weight_files=2)
+    with FakeHub({MODEL: repo}, token="hf_test") as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_test")
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        with running_node(tmp_path, tmp_path / "models", model="none", ready="api") as node:
+            wait_until(lambda: node.get("/state")["nodes"], 20, "telemetry")
+            previews = httpx.get(
+                f"{node.base_url}/instance/previews", params={"model_id": MODEL}, timeout=30
+            )
+            assert previews.status_code == 200, previews.text
+            [rank] = previews.json()["placements"][0]["ranks"]
+            assert (rank["start_layer"], rank["end_layer"]) == (0, 4)
+            # The card, from the hub's config and index, is now the cluster's.
+            card = node.get("/state")["cards"][MODEL]
+            assert card["n_layers"] == 4 and card["size_source"] != "safetensors_headers"
+            assert (
+                card["weight_files"]
+                == json.loads(
+                    card_from_folder(MODEL, repo).model_dump_json(include={"weight_files"})
+                )["weight_files"]
+            )
+            assert not [p for p in hub.bytes_sent if p.endswith(".safetensors")]  # no weights yet
+
+            placed = httpx.post(
+                f"{node.base_url}/place_instance", json={"model_id": MODEL}, timeout=30
+            )
+            assert placed.status_code == 201, placed.text
+            with httpx.stream(
+                "GET",
+                f"{node.base_url}/instance/await",
+                params={"model_id": MODEL, "timeout": 120},
+                timeout=130,
+            ) as stream:
+                statuses = [
+                    json.loads(line[6:])["status"]
+                    for line in stream.iter_lines()
+                    if line.startswith("data: ")
+                ]
+            assert statuses[-1] == "ready", statuses
+            assert "waiting" in statuses
+            for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+                assert hub.bytes_sent[name] == (repo / name).stat().st_size
+            assert set(hub.authorizations) == {"Bearer hf_test"}
+
+            client = openai.OpenAI(base_url=f"{node.base_url}/v1", api_key="x", timeout=60)
+            reply = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+            )
+            assert reply.choices[0].message.content is not None
+
+            # Not on the hub either: a 404 that says so.
+            missing = httpx.get(
+                f"{node.base_url}/instance/previews",
+                params={"model_id": "hub-org/absent"},
+                timeout=30,
+            )
+            assert missing.status_code == 404
+            assert "the hub does not either" in missing.json()["error"]["message"]
+            bad = httpx.get(
+                f"{node.base_url}/instance/previews", params={"model_id": "../etc"}, timeout=30
+            )
+            assert bad.status_code == 400

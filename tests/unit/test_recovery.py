@@ -1,0 +1,161 @@
+"""Recovery of multi-rank instances that lost a rank."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from exo.master import recovery
+from exo.master.recovery import (
+    MAX_REPLACEMENTS,
+    WINDOW_SECONDS,
+    Recovery,
+    broken_instances,
+    instances_on,
+)
+from exo.shared.types.commands import Command, DeleteInstance, PlaceInstance
+from exo.shared.types.ids import InstanceId, ModelId, NodeId
+from exo.shared.types.runner import RunnerStatus
+from exo.shared.types.state import Instance, InstanceRank, RunnerInfo, State
+
+A, B, C = NodeId("a"), NodeId("b"), NodeId("c")
+M, N = ModelId("org/m"), ModelId("org/n")
+
+
+def inst(i: str, *nodes: NodeId, model_id: ModelId = M) -> Instance:
+    ranks = tuple(
+        InstanceRank(node_id=n, start_layer=k, end_layer=k + 1) for k, n in enumerate(nodes)
+    )
+    return Instance(instance_id=InstanceId(i), model_id=model_id, ranks=ranks)
+
+
+def state(*instances: tuple[Instance, dict[NodeId, RunnerStatus]]) -> State:
+    return State(
+        instances={i.instance_id: i for i, _ in instances},
+        runners={
+            i.instance_id: {
+                n: RunnerInfo(instance_id=i.instance_id, node_id=n, status=s)
+                for n, s in statuses.items()
+            }
+            for i, statuses in instances
+        },
+    )
+
+
+SOLO = inst("solo", A)
+PAIR = inst("pair", A, B)
+TRIO = inst("trio", C, B, A)
+
+
+@pytest.mark.parametrize(
+    ("current", "broken"),
+    [
+        (state(), []),
+        (state((PAIR, {A: "ready", B: "ready"})), []),
+        (state((PAIR, {A: "running", B: "loading"})), []),
+        (state((PAIR, {A: "ready"})), []),  # b still downloading
+        (state((PAIR, {A: "ready", B: "failed"})), ["pair"]),
+        (state((PAIR, {A: "stopped", B: "ready"})), ["pair"]),
+        (state((PAIR, {B: "failed"})), ["pair"]),
+        # a single rank's runner restarts itself
+        (state((SOLO, {A: "failed"})), []),
+        (state((SOLO, {A: "failed"}), (PAIR, {A: "ready", B: "ready"})), []),
+        (
+            state((SOLO, {A: "failed"}), (TRIO, {A: "failed"}), (PAIR, {A: "ready", B: "failed"})),
+            ["pair", "trio"],
+        ),
+        (state((TRIO, {A: "ready", B: "ready", C: "loading"})), []),
+    ],
+)
+def test_broken_instances(current: State, broken: list[str]) -> None:
+    assert [i.instance_id for i in broken_instances(current)] == broken
+
+
+TRIO_N = inst("trio", C, B, A, model_id=N)
+ALL = state((SOLO, {}), (PAIR, {}), (TRIO_N, {}), (inst("bc", B, C), {}))
+
+
+@pytest.mark.parametrize(
+    ("nodes", "expected"),
+    [
+        ([], []),
+        ([A], ["pair", "trio"]),  # not "solo": a single rank has no ring to lose
+        ([B], ["bc", "pair", "trio"]),
+        ([C], ["bc", "trio"]),
+        ([A, C], ["bc", "pair", "trio"]),
+        ([NodeId("ghost")], []),
+    ],
+)
+def test_instances_on(nodes: list[NodeId], expected: list[str]) -> None:
+    assert [i.instance_id for i in instances_on(ALL, nodes)] == expected
+    assert [i.instance_id for i in instances_on(ALL, iter(nodes))] == expected
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(recovery, "time", SimpleNamespace(monotonic=fake.monotonic))
+    return fake
+
+
+def kinds(commands: list[Command]) -> list[tuple[str, str]]:
+    """(kind, instance id for deletes / model id for placements)."""
+    return [
+        (c.kind, c.instance_id if isinstance(c, DeleteInstance) else str(c.model_id))
+        for c in commands
+    ]
+
+
+def test_recovery_deletes_and_places_again(clock: Clock) -> None:
+    commands = Recovery().commands(PAIR, still_listed=True)
+    assert kinds(commands) == [("delete_instance", "pair"), ("place_instance", M)]
+    place = commands[1]
+    assert isinstance(place, PlaceInstance)
+    assert place.instance_id != PAIR.instance_id
+    assert (place.min_nodes, place.max_nodes) == (1, None)
+
+
+def test_an_instance_already_gone_is_only_placed(clock: Clock) -> None:
+    assert kinds(Recovery().commands(PAIR, still_listed=False)) == [("place_instance", M)]
+
+
+def test_replacements_stop_after_the_limit_within_the_window(clock: Clock) -> None:
+    rec = Recovery()
+    ids: set[InstanceId] = set()
+    for _ in range(MAX_REPLACEMENTS):
+        commands = rec.commands(PAIR, still_listed=True)
+        assert kinds(commands) == [("delete_instance", "pair"), ("place_instance", M)]
+        ids.add(commands[1].instance_id)
+        clock.now += 1
+    assert len(ids) == MAX_REPLACEMENTS  # a fresh instance id each time
+    # the limit reached: only delete, or nothing at all
+    assert kinds(rec.commands(PAIR, still_listed=True)) == [("delete_instance", "pair")]
+    assert rec.commands(PAIR, still_listed=False) == []
+    # another model has its own budget
+    assert kinds(rec.commands(TRIO_N, still_listed=False)) == [("place_instance", N)]
+    # once the first placement is older than the window, one more is allowed
+    clock.now = 1000.0 + WINDOW_SECONDS
+    assert kinds(rec.commands(PAIR, still_listed=False)) == [("place_instance", M)]
+    assert rec.commands(PAIR, still_listed=False) == []
+    clock.now += WINDOW_SECONDS  # all of them older than the window
+    for _ in range(MAX_REPLACEMENTS):
+        assert kinds(rec.commands(PAIR, still_listed=False)) == [("place_instance", M)]
+    assert rec.commands(PAIR, still_listed=False) == []
+
+
+def test_refused_attempts_do_not_extend_the_window(clock: Clock) -> None:
+    rec = Recovery()
+    for _ in range(MAX_REPLACEMENTS):
+        rec.commands(PAIR, still_listed=False)
+    for _ in range(5):  # refused: not counted
+        clock.now += 10
+        assert rec.commands(PAIR, still_listed=False) == []
+    clock.now = 1000.0 + WINDOW_SECONDS
+    assert kinds(rec.commands(PAIR, still_listed=False)) == [("place_instance", M)]
