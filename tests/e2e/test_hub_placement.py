@@ -2,6 +2,9 @@
 weights), placed, downloaded over the hub's HTTP protocol, then served."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -85,3 +88,35 @@ def test_a_hub_model_is_previewed_placed_downloaded_and_served(
                 f"{node.base_url}/instance/previews", params={"model_id": "../etc"}, timeout=30
             )
             assert bad.status_code == 400
+
+
+def test_exo_download_shows_progress_and_resumes(tmp_path: Path, smollm_dir: Path) -> None:
+    repo = make_tiny_llama(tmp_path / "hub" / "repo", smollm_dir, n_layers=2, weight_files=2)
+    models = tmp_path / "models"
+    with FakeHub({MODEL: repo}) as hub:
+        env = {**os.environ, "HF_ENDPOINT": hub.url}
+        env.pop("HF_HUB_OFFLINE", None)
+        weights = "model-00002-of-00002.safetensors"
+        size = (repo / weights).stat().st_size
+        hub.cut_after(weights, size // 2)
+
+        def download(model: str) -> subprocess.CompletedProcess[str]:
+            command = [sys.executable, "-m", "exo.main", "download", model]
+            return subprocess.run(
+                [*command, "--models-dir", str(models)],
+                env=env, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+
+        done = download(MODEL)
+        assert done.returncode == 0, done.stderr
+        folder = models / MODEL.replace("/", "--")
+        assert {p.name for p in folder.iterdir()} == {p.name for p in repo.iterdir()}
+        assert (folder / weights).read_bytes() == (repo / weights).read_bytes()
+        assert hub.offsets(weights) == [0, size // 2]  # the retry resumed mid-file
+        assert "100.0%" in done.stderr and "files)" in done.stderr
+
+        missing = download("hub-org/absent")
+        assert missing.returncode == 1
+        assert "hub-org/absent" in missing.stderr and "not found" in missing.stderr
+        invalid = download("../etc")
+        assert invalid.returncode == 2 and "invalid model id" in invalid.stderr
