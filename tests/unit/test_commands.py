@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from exo.master.commands import RING_BASE_PORT, CommandRejected, decide
+from exo.master.commands import RING_BASE_PORT, RING_PORT_SPAN, CommandRejected, decide
 from exo.master.placement import PlacementError, PlacementRequest, place
 from exo.shared.types.commands import Command, CreateInstance, DeleteInstance, PlaceInstance
 from exo.shared.types.downloads import DownloadProgress
@@ -298,3 +298,17 @@ def test_placing_a_served_model_again_uses_a_node_that_does_not_serve_it() -> No
     [event] = decide(state, place_cmd(max_nodes=1))
     assert isinstance(event, InstanceCreated)
     assert Y not in event.instance.node_ids
+
+
+def test_ring_ports_move_with_the_log_index() -> None:
+    """A ring placed again right after its predecessor's deletion gets other
+    ports than the old runners may still hold."""
+    later = STATE.model_copy(update={"last_idx": 41})
+    [event] = decide(later, create(OTHER, rank(E, 0, 2), rank(V6, 2, 4)))
+    assert isinstance(event, InstanceCreated)
+    port = RING_BASE_PORT + 42
+    assert event.instance.ring_hosts == (f"10.0.0.3:{port}", f"[fd00::1]:{port}")
+    wrapped = STATE.model_copy(update={"last_idx": RING_PORT_SPAN - 1})
+    [event] = decide(wrapped, create(OTHER, rank(E, 0, 2), rank(V6, 2, 4)))
+    assert isinstance(event, InstanceCreated)
+    assert event.instance.ring_hosts[0] == f"10.0.0.3:{RING_BASE_PORT}"

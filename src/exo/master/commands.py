@@ -9,9 +9,10 @@ from exo.shared.types.events import Event, InstanceCreated, InstanceDeleted
 from exo.shared.types.ids import InstanceId, ModelId
 from exo.shared.types.state import Instance, InstanceRank, State
 
-# The ranks of multi-node instances listen for mx.distributed from this port up
-# (one port per rank, the lowest ones not taken on that host).
+# The ranks of multi-node instances listen for mx.distributed on ports in
+# [RING_BASE_PORT, RING_BASE_PORT + RING_PORT_SPAN).
 RING_BASE_PORT = 52500
+RING_PORT_SPAN = 1000
 
 
 class CommandRejected(Exception):
@@ -35,9 +36,12 @@ def ring_hosts(state: State, ranks: Sequence[InstanceRank]) -> tuple[str, ...]:
         grpc_address = state.nodes[rank.node_id].grpc_address
         if grpc_address is None:
             raise CommandRejected(f"node {rank.node_id} has no cluster address for its rank")
-        port = RING_BASE_PORT
-        while f"{_host(grpc_address)}:{port}" in taken:
-            port += 1
+        start = (state.last_idx + 1) % RING_PORT_SPAN
+        port = next(
+            RING_BASE_PORT + (start + i) % RING_PORT_SPAN
+            for i in range(RING_PORT_SPAN)
+            if f"{_host(grpc_address)}:{RING_BASE_PORT + (start + i) % RING_PORT_SPAN}" not in taken
+        )
         address = f"{_host(grpc_address)}:{port}"
         taken.add(address)
         hosts.append(address)
