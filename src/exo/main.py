@@ -16,6 +16,7 @@ from exo.cluster.link import LinkTiming
 from exo.models.builtin import DEFAULT_MODEL_ID
 from exo.models.store import InvalidModelId, default_data_dir, model_dir, validate_model_id
 from exo.node import NodeConfig, NodeStartupError, run_node
+from exo.shared.allocator import keep_large_buffers_in_the_heap
 
 DEFAULT_API_PORT = 52415
 DEFAULT_GRPC_PORT = 52414
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
             Path(d) for d in args.models_read_only_dirs.split(os.pathsep) if d.strip()
         ),
     )
+    keep_large_buffers_in_the_heap()
     try:
         anyio.run(run_node, config)
     except NodeStartupError as error:

@@ -80,20 +80,37 @@ def present_bytes(dest_dir: Path, remote: RemoteFile) -> int:
     return size if size <= remote.size else 0
 
 
-def _hash_matches(path: Path, remote: RemoteFile) -> str | None:
-    """None if the file's hash is the listed one, else what was found instead."""
-    if remote.sha256 is not None:
-        digest, expected = hashlib.sha256(), remote.sha256
-    elif remote.git_sha1 is not None:
-        digest, expected = hashlib.sha1(usedforsecurity=False), remote.git_sha1
-        digest.update(b"blob %d\0" % remote.size)
-    else:
-        return None  # the source gave no hash: the size check is all there is
-    with path.open("rb") as fh:
-        while block := fh.read(_HASH_BLOCK):
-            digest.update(block)
-    found = digest.hexdigest()
-    return None if found == expected.lower() else found
+class _Digest:
+    """The listed hash of a file, computed over its bytes as they are written
+    (a resumed partial's bytes first), so verifying needs no second read."""
+
+    def __init__(self, remote: RemoteFile) -> None:
+        self.expected: str | None
+        self._hash: hashlib._Hash | None
+        if remote.sha256 is not None:
+            self._hash, self.expected = hashlib.sha256(), remote.sha256.lower()
+        elif remote.git_sha1 is not None:
+            self._hash, self.expected = hashlib.sha1(usedforsecurity=False), remote.git_sha1.lower()
+            self._hash.update(b"blob %d\0" % remote.size)
+        else:
+            self._hash = self.expected = None  # no hash listed: the size check is all there is
+
+    def update(self, data: bytes) -> None:
+        if self._hash is not None:
+            self._hash.update(data)
+
+    def update_from(self, path: Path) -> None:
+        if self._hash is not None:
+            with path.open("rb") as fh:
+                while block := fh.read(_HASH_BLOCK):
+                    self._hash.update(block)
+
+    def mismatch(self) -> str | None:
+        """None if the bytes have the listed hash, else the hash they have."""
+        if self._hash is None:
+            return None
+        found = self._hash.hexdigest()
+        return None if found == self.expected else found
 
 
 def _fsync(path: Path) -> None:
@@ -104,9 +121,9 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _finish(partial: Path, final: Path, remote: RemoteFile) -> None:
+def _finish(partial: Path, final: Path, digest: _Digest) -> None:
     """Verify the complete partial and rename it into place (blocking)."""
-    found = _hash_matches(partial, remote)
+    found = digest.mismatch()
     if found is not None:
         raise _VerificationFailed(f"hash mismatch: got {found}")
     _fsync(partial)
@@ -136,6 +153,9 @@ async def _transfer(
         partial.unlink()  # not counted as present (`present_bytes`)
         offset = 0
     partial.touch()  # an empty file is read from no source
+    digest = _Digest(remote)
+    if offset:
+        await anyio.to_thread.run_sync(digest.update_from, partial)
     written = offset
     if offset < remote.size:
         stream = source.read(model_id, remote.path, offset)
@@ -150,6 +170,7 @@ async def _transfer(
                     if chunk is None:
                         break
                     fh.write(chunk)
+                    digest.update(chunk)
                     written += len(chunk)
                     on_bytes(len(chunk))
                     if written > remote.size:
@@ -158,7 +179,7 @@ async def _transfer(
             await _close(stream)
     if written < remote.size:
         raise TransientError(f"the transfer ended after {written} of {remote.size} bytes")
-    await anyio.to_thread.run_sync(_finish, partial, final, remote)
+    await anyio.to_thread.run_sync(_finish, partial, final, digest)
 
 
 async def fetch_file(

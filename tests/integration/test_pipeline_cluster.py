@@ -1,0 +1,111 @@
+"""A model placed across two real `exo` nodes answers like one node does, and
+a rank killed mid-generation fails the request promptly and is re-placed."""
+
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from exo.models.store import model_dir
+from exo.shared.types.ids import ModelId
+from tests.integration.cluster_process import Cluster, agreed, wait_until
+from tests.model_factory import make_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+MODEL = ModelId("test-org/tiny-pipeline")
+QUESTION = [{"role": "user", "content": "Count from one to ten, then tell a story."}]
+
+
+def runner_pids(node_pid: int) -> list[int]:
+    return [
+        child.pid
+        for child in psutil.Process(node_pid).children(recursive=True)
+        if "exo.worker.runner.runner_main" in " ".join(child.cmdline())
+    ]
+
+
+def ask(base_url: str, max_tokens: int = 16) -> str:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", timeout=120)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=max_tokens  # type: ignore[arg-type]
+    )
+    return reply.choices[0].message.content or ""
+
+
+def await_ready(base_url: str) -> None:
+    with httpx.stream(
+        "GET", f"{base_url}/instance/await", params={"model_id": MODEL, "timeout": 120}, timeout=130
+    ) as stream:
+        last = [line for line in stream.iter_lines() if line.startswith("data: ")][-1]
+    assert '"status": "ready"' in last, last
+
+
+def test_two_ranks_answer_like_one_and_a_killed_rank_is_replaced(
+    cluster: Cluster, tmp_path: Path, smollm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dirs = [tmp_path / f"models{i}" for i in range(2)]
+    make_tiny_llama(model_dir(dirs[0], MODEL), smollm_dir, n_layers=6, hidden=64, weight_files=3)
+    a, b = (cluster.start(i, model="none", models_dir=dirs[i]) for i in range(2))
+    wait_until(lambda: agreed(cluster.nodes), 30, "two nodes agreeing")
+    a_id, b_id = a.get("/node_id"), b.get("/node_id")
+    wait_until(lambda: MODEL in b.get("/state")["cards"], 20, "the card")
+
+    # One rank on A: the reference answer.
+    single = httpx.post(f"{a.base_url}/instance", json={"model_id": MODEL}, timeout=20).json()
+    await_ready(a.base_url)
+    reference = ask(b.base_url)
+    assert reference
+    httpx.delete(f"{a.base_url}/instance/{single['instance_id']}", timeout=20)
+    wait_until(lambda: not a.get("/state")["instances"], 20, "the single rank gone")
+
+    # Two ranks: the same tokens, asked through either node.
+    placed = httpx.post(
+        f"{b.base_url}/place_instance",
+        json={"model_id": MODEL, "min_nodes": 2, "max_nodes": 2},
+        timeout=20,
+    )
+    assert placed.status_code == 201, placed.text
+    instance = placed.json()
+    assert sorted(r["node_id"] for r in instance["ranks"]) == sorted([a_id, b_id])
+    await_ready(a.base_url)
+    assert ask(a.base_url) == reference
+    assert ask(b.base_url) == reference
+
+    # Kill the last rank's runner mid-generation: the client hears of it within
+    # 10 s, and the master places the model again.
+    last_rank = cluster.nodes[[a_id, b_id].index(instance["ranks"][-1]["node_id"])]
+    [victim] = runner_pids(last_rank.process.pid)
+    client = openai.OpenAI(base_url=f"{a.base_url}/v1", api_key="x", timeout=60, max_retries=0)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=4000, stream=True  # type: ignore[arg-type]
+    )
+    killed_at: float | None = None
+    failed_at: float | None = None
+    try:
+        for received, _ in enumerate(stream):
+            if received == 5:
+                psutil.Process(victim).send_signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+    except (openai.APIError, httpx.HTTPError):
+        failed_at = time.monotonic()
+    assert killed_at is not None, "the generation ended before the kill"
+    assert failed_at is not None and failed_at - killed_at < 10
+    # No runner of the old instance is left; a new instance replaces it.
+    old_id = instance["instance_id"]
+
+    def replaced() -> bool:
+        state = a.get("/state")
+        return old_id not in state["instances"] and any(
+            i["model_id"] == MODEL for i in state["instances"].values()
+        )
+
+    wait_until(replaced, 30, "the instance placed again")
+    await_ready(a.base_url)
+    assert ask(b.base_url) == reference
+    assert victim not in runner_pids(last_rank.process.pid)
