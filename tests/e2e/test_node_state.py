@@ -1,6 +1,7 @@
 """End to end: the node's event-sourced state through /state, /events and /node_id."""
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -132,3 +133,22 @@ def test_placement_previews(node: NodeProcess) -> None:
         f"{node.base_url}/instance/previews", params={"model_id": "nope"}, timeout=10
     )
     assert unknown.status_code == 404
+
+
+def test_the_dashboard_is_served_and_its_endpoints_answer(node: NodeProcess) -> None:
+    page = httpx.get(f"{node.base_url}/", timeout=10)
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert "<title>exo cluster</title>" in page.text
+    # Every read the page makes answers, with the fields the page renders.
+    reads = set(re.findall(r'api\("(/[a-z_]+)"\)', page.text))
+    assert reads == {"/state", "/instances"}
+    state = httpx.get(f"{node.base_url}/state", timeout=10).json()
+    assert {"nodes", "master_id", "master_term", "last_idx", "downloads"} <= state.keys()
+    [instance] = httpx.get(f"{node.base_url}/instances", timeout=10).json()["data"]
+    assert {"instance_id", "model_id", "status", "ranks"} <= instance.keys()
+    assert {"node_id", "start_layer", "end_layer", "runner", "download"} <= instance["ranks"][
+        0
+    ].keys()
+    for action in ("/instance/previews?", "/place_instance", "/instance/${"):
+        assert action in page.text

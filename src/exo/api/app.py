@@ -5,12 +5,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 import anyio
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import HTMLResponse, StreamingResponse
 from jinja2 import TemplateError
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from starlette.background import BackgroundTask
@@ -46,6 +47,7 @@ DEFAULT_MAX_TOKENS = 1024
 KEEPALIVE_SECONDS = 10.0
 DISCONNECT_POLL_SECONDS = 0.5
 FORWARD_CONNECT_SECONDS = 5.0
+DASHBOARD_HTML = (resources.files("exo") / "dashboard" / "index.html").read_text()
 
 
 @dataclass
@@ -139,6 +141,11 @@ def create_app(
             raise APIError(503, str(error), "server_error", "cluster_unavailable") from error
 
     app.include_router(instance_routes(cluster, command, delete_model_files))
+
+    @app.get("/", response_class=HTMLResponse)
+    async def dashboard() -> str:
+        """The web dashboard: nodes, instances, downloads; place and delete models."""
+        return DASHBOARD_HTML
 
     @app.get("/cluster")
     async def cluster_info() -> dict[str, Any]:
