@@ -262,7 +262,7 @@ async def run_node(config: NodeConfig) -> None:
                         app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
                     )
                 )
-                logger.info(f"API listening on {base_url}")
+                logger.info(f"API listening on {base_url} (dashboard: {base_url}/)")
                 if worker is not None and config.model_id is not None:
                     logger.info(f"try:\n  {_curl_example(base_url, config.model_id)}")
                 await server.serve(sockets=[sock])
