@@ -36,7 +36,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ import anyio
 import grpc
 import httpx
 import psutil
+from exo_node import free_port, launch_exo
 
 from exo.cluster.auth import cluster_channel
 from exo.cluster.proto import cluster_pb2 as pb
@@ -72,12 +72,6 @@ T = TypeVar("T")
 
 
 # -- nodes ----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -109,7 +103,6 @@ def start_nodes(root: Path, secret: str) -> list[Node]:
         data_dir = root / f"node{i}"
         log_path = root / f"node{i}.log"
         command = [
-            sys.executable, "-m", "exo.main",
             "--host", "127.0.0.1",
             "--api-port", str(api_port),
             "--grpc-port", str(grpc_port),
@@ -120,14 +113,7 @@ def start_nodes(root: Path, secret: str) -> list[Node]:
             "--cluster-secret", secret,
             "--log-level", "INFO",
         ]  # fmt: skip
-        with log_path.open("wb") as log:
-            process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # a Ctrl-C of the benchmark reaches us, not the nodes
-            )
+        process = launch_exo(command, log_path)
         nodes.append(
             Node(process, f"http://127.0.0.1:{api_port}", f"127.0.0.1:{grpc_port}", log_path)
         )

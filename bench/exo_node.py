@@ -50,6 +50,37 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def launch_exo(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """`exo ARGS` with its output in `log_path`, in a session of its own (a Ctrl-C
+    of the benchmark reaches the benchmark, which then stops the node)."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [*exo_command(), *args],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop_exo(process: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT_SECONDS) -> int | None:
+    """SIGINT, a bounded wait, then SIGKILL of the node's process group (the node
+    and its runners); the exit code, None if it would not die."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"exo did not stop within {timeout:.0f}s after SIGINT; killing it")
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return None
+    return process.returncode
+
+
 @dataclass
 class ExoNode:
     """A running `exo` node on loopback; use `start_node()` to get one."""
@@ -85,21 +116,7 @@ class ExoNode:
         raise TimeoutError(f"exo not ready after {timeout:.0f}s:\n{self.log_tail()}")
 
     def stop(self, timeout: float = STOP_TIMEOUT_SECONDS) -> int | None:
-        """SIGINT, a bounded wait, then SIGKILL of the node's process group."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                print(f"exo did not stop within {timeout:.0f}s after SIGINT; killing it")
-        # The node was started in its own session: its group is the node and its runner.
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            return None
-        return self.process.returncode
+        return stop_exo(self.process, timeout)
 
 
 def _process_cpu(pid: int) -> float:
@@ -181,7 +198,6 @@ def start_node(
     models = models_dir if models_dir is not None else temp / "models"
     port = free_port()
     command = [
-        *exo_command(),
         "--host",
         "127.0.0.1",
         "--api-port",
@@ -202,14 +218,7 @@ def start_node(
     if prefix_cache_bytes is not None:
         command += ["--prefix-cache-bytes", str(prefix_cache_bytes)]
     log_path = temp / "exo.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    process = launch_exo(command, log_path)
     node = ExoNode(process, f"http://127.0.0.1:{port}", data_dir, models, log_path)
     try:
         seconds = node.wait_ready(ready_timeout)

@@ -35,7 +35,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -50,7 +49,7 @@ from pathlib import Path
 
 import anyio
 import psutil
-from exo_node import CpuMeter, exo_command, free_port, median
+from exo_node import CpuMeter, free_port, launch_exo, median, stop_exo
 from loguru import logger
 
 from exo.shared.allocator import keep_large_buffers_in_the_heap
@@ -158,20 +157,7 @@ class Node:
         raise TimeoutError(f"exo's gRPC port not open after {timeout:.0f}s:\n{self.log_tail()}")
 
     def stop(self, timeout: float = STOP_TIMEOUT_SECONDS) -> int | None:
-        """SIGINT, a bounded wait, then SIGKILL of the node's process group."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                print(f"exo did not stop within {timeout:.0f}s after SIGINT; killing it")
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            return None
-        return self.process.returncode
+        return stop_exo(self.process, timeout)
 
 
 @contextmanager
@@ -181,7 +167,6 @@ def serving_node(root: Path, models_dir: Path) -> Iterator[Node]:
     secret = f"bench-{uuid.uuid4().hex}"
     log_path = root / "exo.log"
     command = [
-        *exo_command(),
         "--host", "127.0.0.1",
         "--grpc-port", str(grpc_port),
         "--cluster-secret", secret,
@@ -193,14 +178,7 @@ def serving_node(root: Path, models_dir: Path) -> Iterator[Node]:
         "--models-dir", str(models_dir),
         "--log-level", "INFO",
     ]  # fmt: skip
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    process = launch_exo(command, log_path)
     node = Node(process, f"127.0.0.1:{grpc_port}", secret, log_path)
     try:
         seconds = node.wait_listening()

@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -5,6 +6,10 @@ import pytest
 from exo.models.builtin import DEFAULT_MODEL_ID, ensure_default_model
 from exo.models.store import model_dir
 from tests.model_factory import make_tiny_llama
+
+# Tests never reach the real Hugging Face hub (nodes they start inherit this);
+# the hub tests point HF_ENDPOINT at a local fake hub and unset it.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 @pytest.fixture(scope="session")

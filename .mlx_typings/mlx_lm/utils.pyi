@@ -1,5 +1,5 @@
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -16,4 +16,7 @@ def load_tokenizer(
     tokenizer_config_extra: dict[str, Any] | None = ...,
     eos_token_ids: int | list[int] | None = ...,
 ) -> TokenizerWrapper: ...
-def dequantize_model(model: nn.Module) -> nn.Module: ...
+_M = TypeVar("_M", bound=nn.Module)
+
+def load_config(model_path: Path) -> dict[str, Any]: ...
+def dequantize_model(model: _M) -> _M: ...

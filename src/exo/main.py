@@ -150,6 +150,17 @@ def _switch(parser: argparse._ActionsContainer, flag: str, env: str, help: str) 
     parser.add_argument(flag, action="store_true", default=default, help=f"{help} ({env}=1)")
 
 
+def _models_dir_flag(parser: argparse.ArgumentParser) -> None:
+    _flag(
+        parser,
+        "--models-dir",
+        "EXO_MODELS_DIR",
+        str(default_data_dir() / "models"),
+        "where models live",
+        type=Path,
+    )
+
+
 def _import_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="exo import-gguf",
@@ -159,15 +170,8 @@ def _import_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model-id", required=True, help="id to serve it under, e.g. my-org/my-model"
     )
-    _flag(
-        parser,
-        "--models-dir",
-        "EXO_MODELS_DIR",
-        str(default_data_dir() / "models"),
-        "where models live",
-        type=Path,
-    )
-    return parser  # fmt: skip
+    _models_dir_flag(parser)
+    return parser
 
 
 def _download_parser() -> argparse.ArgumentParser:
@@ -179,15 +183,8 @@ def _download_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "model_id", help="hub repo id, e.g. mlx-community/Llama-3.2-1B-Instruct-4bit"
     )
-    _flag(
-        parser,
-        "--models-dir",
-        "EXO_MODELS_DIR",
-        str(default_data_dir() / "models"),
-        "where models live",
-        type=Path,
-    )
-    return parser  # fmt: skip
+    _models_dir_flag(parser)
+    return parser
 
 
 def _download(argv: list[str]) -> None:

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from exo.models.cards import card_from_folder
+from exo.shared.types.ids import ModelId
 from tests.e2e.node_process import running_node
 from tests.hub_server import FakeHub
 from tests.integration.cluster_process import wait_until
@@ -19,7 +20,7 @@ from tests.model_factory import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 
-MODEL = "hub-org/tiny-hub-llama"
+MODEL = ModelId("hub-org/tiny-hub-llama")
 
 
 def test_a_hub_model_is_previewed_placed_downloaded_and_served(

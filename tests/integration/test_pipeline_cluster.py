@@ -9,6 +9,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from exo.models.store import model_dir
 from exo.shared.types.ids import ModelId
@@ -18,7 +19,9 @@ from tests.model_factory import make_tiny_llama
 pytestmark = pytest.mark.slow
 
 MODEL = ModelId("test-org/tiny-pipeline")
-QUESTION = [{"role": "user", "content": "Count from one to ten, then tell a story."}]
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Count from one to ten, then tell a story."}
+]
 
 
 def runner_pids(node_pid: int) -> list[int]:
@@ -32,7 +35,7 @@ def runner_pids(node_pid: int) -> list[int]:
 def ask(base_url: str, max_tokens: int = 16) -> str:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", timeout=120)
     reply = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, temperature=0, max_tokens=max_tokens  # type: ignore[arg-type]
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=max_tokens
     )
     return reply.choices[0].message.content or ""
 
@@ -83,7 +86,7 @@ def test_two_ranks_answer_like_one_and_a_killed_rank_is_replaced(
     [victim] = runner_pids(last_rank.process.pid)
     client = openai.OpenAI(base_url=f"{a.base_url}/v1", api_key="x", timeout=60, max_retries=0)
     stream = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, temperature=0, max_tokens=4000, stream=True  # type: ignore[arg-type]
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=4000, stream=True
     )
     killed_at: float | None = None
     failed_at: float | None = None

@@ -119,42 +119,55 @@ class TextGenerator:
         if params.seed is not None:
             mx.random.seed(params.seed)
         sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
-        detokenizer = self.tokenizer.detokenizer
-        detokenizer.reset()
-        stops = StopMatcher(tuple(params.stop))
-        eos = set(self.tokenizer.eos_token_ids)
-        finish: FinishReason = "length"
-        hit_stop_string = False
-        produced = 0
         # The first token is computed on its own, not inside generate_step, which
         # would start the second step before handing out the first (TTFT).
         first = self._first_token(tokens[-1], layers, sampler)
         steps = self._decode(first, tokens, layers, match, params, sampler, system_prompt_length)
-        for token in steps:
-            produced += 1
-            if token in eos:
-                finish = "stop"
-                break
-            detokenizer.add_token(token)
-            text, hit_stop_string = stops.feed(detokenizer.last_segment)
-            if text:
-                yield TextDelta(text=text)
-            if hit_stop_string:
-                finish = "stop"
-                break
-            if is_cancelled():
-                raise GenerationCancelled
-        if not hit_stop_string:
-            detokenizer.finalize()
-            tail, _ = stops.feed(detokenizer.last_segment)
-            tail += stops.flush()
-            if tail:
-                yield TextDelta(text=tail)
-        yield GenerationDone(
-            finish_reason=finish,
-            usage=Usage(
-                prompt_tokens=len(tokens),
-                completion_tokens=produced,
-                cached_tokens=match.usable if match.is_hit else 0,
-            ),
-        )
+        yield from stream_text(self.tokenizer, steps, params, len(tokens), match, is_cancelled)
+
+
+def stream_text(
+    tokenizer: TokenizerWrapper,
+    steps: Iterator[int],
+    params: GenerationParams,
+    prompt_tokens: int,
+    match: PrefixMatch,
+    is_cancelled: Callable[[], bool],
+) -> Iterator[GenerationOutput]:
+    """Generated token ids -> text deltas, stopping at EOS or a stop string, then
+    the finish reason and usage. Stops pulling from `steps` once finished."""
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    stops = StopMatcher(tuple(params.stop))
+    eos = set(tokenizer.eos_token_ids)
+    finish: FinishReason = "length"
+    hit_stop_string = False
+    produced = 0
+    for token in steps:
+        produced += 1
+        if token in eos:
+            finish = "stop"
+            break
+        detokenizer.add_token(token)
+        text, hit_stop_string = stops.feed(detokenizer.last_segment)
+        if text:
+            yield TextDelta(text=text)
+        if hit_stop_string:
+            finish = "stop"
+            break
+        if is_cancelled():
+            raise GenerationCancelled
+    if not hit_stop_string:
+        detokenizer.finalize()
+        tail, _ = stops.feed(detokenizer.last_segment)
+        tail += stops.flush()
+        if tail:
+            yield TextDelta(text=tail)
+    yield GenerationDone(
+        finish_reason=finish,
+        usage=Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=produced,
+            cached_tokens=match.usable if match.is_hit else 0,
+        ),
+    )

@@ -20,6 +20,16 @@ from exo.engine.token_trie import TokenTrie
 
 LayerCache = Any  # an mlx_lm cache object (KVCache, RotatingKVCache, ArraysCache, ...)
 
+EvictionAgreement = Callable[[list[int]], list[int]]
+"""Entries this cache would evict -> entries every rank evicts (the union). Pipeline
+ranks each cache their own layers of the same entries (same ids, same LRU order);
+agreeing keeps one rank from holding an entry another dropped."""
+
+
+def _local_decision(victims: list[int]) -> list[int]:
+    return victims
+
+
 # A hit good enough to update the entry in place instead of adding a new one.
 MIN_UPDATE_TOKENS = 1000
 MIN_UPDATE_FRACTION = 0.5
@@ -126,9 +136,11 @@ class KVPrefixCache:
         self,
         byte_budget: int,
         memory_pressure: Callable[[], bool] = lambda: False,
+        agree: EvictionAgreement = _local_decision,
     ) -> None:
         self.byte_budget = byte_budget
         self._memory_pressure = memory_pressure
+        self._agree = agree
         self._entries: dict[int, CacheEntry] = {}
         self._trie = TokenTrie()
         self._clock = 0
@@ -229,15 +241,18 @@ class KVPrefixCache:
         return entry_id if entry_id in self._entries else None
 
     def _evict(self, keep: int | None) -> None:
-        for entry_id in choose_evictions(self._entries, self.byte_budget, False, keep):
-            self._drop(entry_id)
-        # Under memory pressure, drop least recently used entries one at a time
-        # while it lasts (at most every entry but `keep`).
-        while self._memory_pressure():
-            victims = choose_evictions(self._entries, self.byte_budget, True, keep)
+        """Drop least recently used entries until within the byte budget, then, under
+        memory pressure, one at a time while it lasts (at most every entry but `keep`).
+        Each round is agreed with the other ranks, so all of them run the same rounds."""
+        while True:
+            victims = choose_evictions(self._entries, self.byte_budget, False, keep)
+            if not victims and self._memory_pressure():
+                victims = choose_evictions(self._entries, self.byte_budget, True, keep)[:1]
+            victims = self._agree(victims)
             if not victims:
-                break
-            self._drop(victims[0])
+                return
+            for entry_id in victims:
+                self._drop(entry_id)
 
     def _drop(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)
@@ -245,6 +260,9 @@ class KVPrefixCache:
         self._stats.evictions += 1
         mx.clear_cache()  # give the memory back, so pressure readings see it
         logger.debug(f"prefix cache evicted an entry of {len(entry.tokens)} tokens")
+
+    def entry_ids(self) -> list[int]:
+        return sorted(self._entries)
 
     def entry_tokens(self, entry_id: int) -> tuple[int, ...]:
         return self._entries[entry_id].tokens

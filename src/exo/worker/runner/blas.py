@@ -48,6 +48,10 @@ def _gfortran_shim_dir(cache_dir: Path) -> Path | None:
 def runner_environment(cache_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a runner child process (OpenBLAS preloaded where found)."""
     env = dict(os.environ if base is None else base)
+    # OpenBLAS threads spin ~0.1 s after each call by default: a pipeline rank
+    # waiting on its neighbour would keep the cores the neighbour computes on
+    # busy (2-rank decode at 0.5x of 1 rank). This lets them sleep sooner.
+    env.setdefault("OPENBLAS_THREAD_TIMEOUT", "22")
     lib = openblas_library()
     if lib is None:
         return env

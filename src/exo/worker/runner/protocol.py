@@ -33,10 +33,23 @@ class Shutdown(FrozenModel):
     kind: Literal["shutdown"] = "shutdown"
 
 
+class LoadedShard(FrozenModel):
+    """What a runner loaded: its rank of the instance's pipeline group, its layers
+    [start_layer, end_layer), and the memory its weights take."""
+
+    rank: int
+    world_size: int
+    start_layer: int
+    end_layer: int
+    weight_bytes: int
+    peak_memory_bytes: int  # MLX's peak allocation while loading
+
+
 class StatusChanged(FrozenModel):
     kind: Literal["status"] = "status"
     status: RunnerStatus
     error: str | None = None
+    shard: LoadedShard | None = None  # on the first "ready"
 
 
 class PrefillProgress(FrozenModel):

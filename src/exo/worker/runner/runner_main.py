@@ -1,20 +1,32 @@
-"""The runner process: loads one model, owns its KV prefix cache, generates.
+"""The runner process: loads one model (or one rank's layers of it), owns its KV
+prefix cache, generates.
 
 Started by the supervisor as `python -m exo.worker.runner.runner_main`. Reads
 `ToRunner` JSON lines on stdin and writes `FromRunner` JSON lines on the
 original stdout; everything else printed goes to stderr.
+
+Pipeline ranks: with `MLX_HOSTFILE` (a JSON list, per rank, of one "ip:port")
+and `MLX_RANK` in the environment and `--start-layer S --end-layer E`, the
+runner is one rank of an `mx.distributed` ring group holding layers [S, E).
+Rank 0 takes `Generate`/`Cancel` and reports task messages; every rank reports
+its status and cache stats, and obeys `Shutdown` and the end of stdin. Without
+them the runner holds the whole model, alone.
 """
 
 import argparse
+import contextlib
 import os
 import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING, NoReturn
 
 import psutil
 from loguru import logger
@@ -27,6 +39,7 @@ from exo.worker.runner.protocol import (
     Finished,
     FromRunner,
     Generate,
+    LoadedShard,
     PrefillProgress,
     Shutdown,
     StatusChanged,
@@ -35,14 +48,28 @@ from exo.worker.runner.protocol import (
     to_runner_adapter,
 )
 
+if TYPE_CHECKING:
+    from exo.engine.mlx.generate import TextGenerator
+    from exo.engine.mlx.pipeline import PipelineDriver
+    from exo.engine.mlx.prefix_cache import KVPrefixCache
+
 # Below this share of free RAM the prefix cache evicts regardless of its budget.
 LOW_MEMORY_FRACTION = 0.08
 IDLE_POLL_SECONDS = 1.0
+STOP_GRACE_SECONDS = 1.0
 
 
 def _memory_pressure() -> bool:
     memory = psutil.virtual_memory()
     return memory.available < LOW_MEMORY_FRACTION * memory.total
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This runner's part of a pipeline instance: layers [start, end) on a ring."""
+
+    start_layer: int
+    end_layer: int
 
 
 class Runner:
@@ -52,6 +79,7 @@ class Runner:
         self._pending: deque[Generate] = deque()
         self._cancelled: set[str] = set()
         self._current: str | None = None
+        self.pipelined = False
 
     def send(self, message: FromRunner) -> None:
         self._out.write(message.model_dump_json() + "\n")
@@ -83,25 +111,139 @@ class Runner:
             raise SystemExit(0)
         return task_id in self._cancelled
 
-    def serve(self, model_dir: Path, prefix_cache_bytes: int) -> None:
+    def asked_to_stop(self, within: float) -> bool:
+        """Whether `Shutdown` (or the end of stdin) arrives within `within` seconds."""
+        deadline = time.monotonic() + within
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                message = self._inbox.get(timeout=left)
+            except queue.Empty:
+                return False
+            if not self._accept(message):
+                return True
+        return False
+
+    def _stop_if_asked(self) -> None:
+        """Called while waiting on the ring: exit on `Shutdown` (or the end of stdin)."""
+        if not self._drain_inbox():
+            raise SystemExit(0)
+
+    def _follow(self) -> None:
+        """`_stop_if_asked` for ranks > 0, where a task sent by mistake fails at once."""
+        self._stop_if_asked()
+        while self._pending:
+            task = self._pending.popleft()
+            self.send(
+                TaskFailed(task_id=task.task_id, error="only rank 0 of a pipeline takes tasks")
+            )
+
+    def _ready(self, cache: "KVPrefixCache | None", shard: LoadedShard | None = None) -> None:
+        self.send(StatusChanged(status="ready", shard=shard))
+        if cache is not None:
+            self.send(CacheStatsReport(stats=cache.stats()))
+
+    def serve(self, model_dir: Path, prefix_cache_bytes: int, placement: Placement | None) -> None:
         self.send(StatusChanged(status="loading"))
+        if placement is None:
+            self._serve_whole_model(model_dir, prefix_cache_bytes)
+        else:
+            self.pipelined = True
+            self._serve_rank(model_dir, prefix_cache_bytes, placement)
+
+    def _serve_whole_model(self, model_dir: Path, prefix_cache_bytes: int) -> None:
         # Imported here so a broken MLX install is reported as a failed runner.
-        from exo.engine.mlx.generate import GenerationCancelled, TextDelta, TextGenerator
-        from exo.engine.mlx.load import load_for_inference
+        import mlx.core as mx
+
+        from exo.engine.mlx.generate import TextGenerator
+        from exo.engine.mlx.load import load_for_inference, parameter_bytes
         from exo.engine.mlx.prefix_cache import KVPrefixCache
 
         model, tokenizer = load_for_inference(model_dir)
+        shard = LoadedShard(
+            rank=0,
+            world_size=1,
+            start_layer=0,
+            end_layer=len(getattr(model, "layers", ())),
+            weight_bytes=parameter_bytes(model),
+            peak_memory_bytes=mx.get_peak_memory(),
+        )
         cache = (
             KVPrefixCache(prefix_cache_bytes, memory_pressure=_memory_pressure)
             if prefix_cache_bytes > 0
             else None
         )
-        generator = TextGenerator(model, tokenizer, cache)
-        self.send(StatusChanged(status="ready"))
-        if cache is not None:
-            self.send(CacheStatsReport(stats=cache.stats()))
+        self._ready(cache, shard)
+        self._run_tasks(TextGenerator(model, tokenizer, cache), cache, lambda: None)
+
+    def _serve_rank(self, model_dir: Path, prefix_cache_bytes: int, placement: Placement) -> None:
+        import mlx.core as mx
+
+        from exo.engine.mlx.load import load_model_tokenizer, parameter_bytes
+        from exo.engine.mlx.pipeline import (
+            PeerLost,
+            PipelineDriver,
+            PipelineFollower,
+            handshake,
+            join_ring,
+            ring_prefix_cache,
+        )
+        from exo.engine.mlx.shard import load_shard
+
+        # Join before loading: ranks start together, while loading times differ
+        # (the handshake below waits for the slowest).
+        started = time.monotonic()
+        link = join_ring()
+        joined = time.monotonic()
+        logger.info(
+            f"joined the pipeline group as rank {link.rank} of {link.size} in {joined - started:.1f}s"
+        )
+        shard = load_shard(model_dir, placement.start_layer, placement.end_layer)
+        logger.info(
+            f"loaded layers [{placement.start_layer}, {placement.end_layer}) "
+            f"({parameter_bytes(shard) / 1e6:.0f} MB) in {time.monotonic() - joined:.1f}s"
+        )
+        cache = ring_prefix_cache(link, prefix_cache_bytes, _memory_pressure)
+        # Everything slow comes before the handshake: after it, rank 0's heartbeats
+        # must start within the followers' idle bound.
+        tokenizer = load_model_tokenizer(model_dir) if link.rank == 0 else None
+        stop_if_asked = self._stop_if_asked if link.rank == 0 else self._follow
+        handshake(link, shard.layer_range, cache is not None, interrupt=stop_if_asked)
+        loaded = LoadedShard(
+            rank=link.rank,
+            world_size=link.size,
+            start_layer=placement.start_layer,
+            end_layer=placement.end_layer,
+            weight_bytes=parameter_bytes(shard),
+            peak_memory_bytes=mx.get_peak_memory(),
+        )
+        if tokenizer is None:
+            self._ready(cache, loaded)
+            PipelineFollower(link, shard, cache).serve(
+                interrupt=self._follow,
+                on_task_start=lambda: self.send(StatusChanged(status="running")),
+                on_task_end=lambda: self._ready(cache),
+            )
+            return
+        driver = PipelineDriver(link, shard, tokenizer, cache)
+        self._ready(cache, loaded)
+        with contextlib.suppress(SystemExit):
+            self._run_tasks(driver, cache, driver.keep_alive)
+        with contextlib.suppress(PeerLost):  # a rank stopped along with us may be gone already
+            driver.shutdown()
+
+    def _run_tasks(
+        self,
+        generator: "TextGenerator | PipelineDriver",
+        cache: "KVPrefixCache | None",
+        keep_alive: Callable[[], None],
+    ) -> None:
+        """Take tasks in order until shutdown; `keep_alive` runs while idle."""
+        from exo.engine.mlx.generate import GenerationCancelled, TextDelta
+        from exo.engine.mlx.pipeline import PipelineFailure
+
         while True:
             if not self._pending:
+                keep_alive()
                 try:
                     message = self._inbox.get(timeout=IDLE_POLL_SECONDS)
                 except queue.Empty:
@@ -138,6 +280,11 @@ class Runner:
                         )
             except GenerationCancelled:
                 self.send(TaskFailed(task_id=task.task_id, error="cancelled"))
+            except PipelineFailure as error:  # the group is gone: so is every task
+                for failed in [task, *self._pending]:
+                    self.send(TaskFailed(task_id=failed.task_id, error=str(error)))
+                self._pending.clear()
+                raise
             except Exception as error:  # a bad request must not kill the runner
                 logger.exception(f"task {task.task_id} failed")
                 self.send(
@@ -164,10 +311,31 @@ def _read_stdin(inbox: "queue.Queue[ToRunner | None]") -> None:
         inbox.put(None)  # the supervisor closed our stdin (or it broke): shut down
 
 
+def _placement(args: argparse.Namespace) -> Placement | None:
+    ring_env = "MLX_HOSTFILE" in os.environ and "MLX_RANK" in os.environ
+    layers = (args.start_layer, args.end_layer)
+    if layers == (None, None) and not ring_env:
+        return None
+    if None in layers or not ring_env:
+        raise ValueError(
+            "a pipeline rank needs --start-layer, --end-layer, MLX_HOSTFILE and MLX_RANK"
+        )
+    return Placement(start_layer=args.start_layer, end_layer=args.end_layer)
+
+
+def _exit(code: int) -> NoReturn:
+    """Leave at once: a pipeline rank's MLX ring threads may be blocked on a dead
+    peer, and nothing else is left to clean up once the messages are out."""
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="exo runner process")
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--prefix-cache-bytes", type=int, required=True)
+    parser.add_argument("--start-layer", type=int, help="first layer of this pipeline rank")
+    parser.add_argument("--end-layer", type=int, help="end (exclusive) of this rank's layers")
     args = parser.parse_args()
     # Ctrl-C reaches the whole process group; the node stops us via stdin instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -182,14 +350,21 @@ def main() -> None:
     threading.Thread(target=_read_stdin, args=(inbox,), daemon=True).start()
     runner = Runner(protocol_out, inbox)
     try:
-        runner.serve(args.model_dir, args.prefix_cache_bytes)
+        runner.serve(args.model_dir, args.prefix_cache_bytes, _placement(args))
     except SystemExit:
         pass
     except BaseException as error:
-        logger.error(traceback.format_exc())
-        runner.send(StatusChanged(status="failed", error=f"{type(error).__name__}: {error}"))
-        sys.exit(1)
+        # When the node stops an instance each rank is told so; one that sees a peer
+        # leave first was being stopped too, which is no failure.
+        if not (runner.pipelined and runner.asked_to_stop(within=STOP_GRACE_SECONDS)):
+            logger.error(traceback.format_exc())
+            runner.send(StatusChanged(status="failed", error=f"{type(error).__name__}: {error}"))
+            if runner.pipelined:
+                _exit(1)
+            sys.exit(1)
     runner.send(StatusChanged(status="stopped"))
+    if runner.pipelined:
+        _exit(0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,105 @@
+"""One rank of a pipeline run on the engine directly (no runner protocol), for tests
+that look inside every rank: `python -m tests.pipeline_rank`, with `MLX_HOSTFILE`
+and `MLX_RANK` set.
+
+Rank 0 runs the requests of a JSON file (`[{"tokens": [...], "params": {...}}]`) in
+order. After each task every rank checks that each prefix-cache entry it held
+before the task is still there, bitwise unchanged, unless its own eviction
+decisions dropped it. Each rank prints one JSON report line on stdout.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from exo.engine.mlx.generate import GenerationDone, TextDelta
+from exo.engine.mlx.load import load_model_tokenizer
+from exo.engine.mlx.pipeline import (
+    PipelineDriver,
+    PipelineFollower,
+    handshake,
+    join_ring,
+    ring_prefix_cache,
+)
+from exo.engine.mlx.prefix_cache import KVPrefixCache
+from exo.engine.mlx.shard import load_shard
+from exo.shared.types.tasks import GenerationParams
+
+EntryArrays = dict[int, list[np.ndarray]]
+
+
+def entry_arrays(cache: KVPrefixCache) -> EntryArrays:
+    return {
+        entry_id: [np.array(a) for layer in cache.entry_layers(entry_id) for a in layer.state]
+        for entry_id in cache.entry_ids()
+    }
+
+
+class CacheWatch:
+    """Entries after each task, and whether the entries held before it were kept intact."""
+
+    def __init__(self, cache: KVPrefixCache) -> None:
+        self.cache = cache
+        self.before: EntryArrays = {}
+        self.entries: list[dict[int, int]] = []
+        self.unchanged: list[bool] = []
+
+    def task_ended(self) -> None:
+        after = entry_arrays(self.cache)
+        kept = [i for i in self.before if i in after]
+        self.unchanged.append(
+            all(
+                len(self.before[i]) == len(after[i])
+                and all(np.array_equal(a, b) for a, b in zip(self.before[i], after[i], strict=True))
+                for i in kept
+            )
+        )
+        self.entries.append({i: len(self.cache.entry_tokens(i)) for i in after})
+        self.before = after
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--start-layer", type=int, required=True)
+    parser.add_argument("--end-layer", type=int, required=True)
+    parser.add_argument("--byte-budget", type=int, required=True)
+    parser.add_argument("--requests", type=Path, required=True)
+    args = parser.parse_args()
+
+    link = join_ring(timeout=60)
+    shard = load_shard(args.model_dir, args.start_layer, args.end_layer)
+    cache = ring_prefix_cache(link, args.byte_budget, lambda: False)
+    assert cache is not None
+    handshake(link, shard.layer_range, True, timeout=60)
+    watch = CacheWatch(cache)
+    report: dict[str, object] = {"rank": link.rank}
+    if link.rank == 0:
+        driver = PipelineDriver(link, shard, load_model_tokenizer(args.model_dir), cache)
+        results: list[dict[str, object]] = []
+        for request in json.loads(args.requests.read_text()):
+            params = GenerationParams.model_validate(request["params"])
+            text, usage = "", None
+            for output in driver.generate(request["tokens"], params):
+                if isinstance(output, TextDelta):
+                    text += output.text
+                elif isinstance(output, GenerationDone):
+                    usage = output.usage.model_dump()
+            results.append({"text": text, "usage": usage})
+            watch.task_ended()
+        driver.shutdown()
+        report["results"] = results
+    else:
+        PipelineFollower(link, shard, cache).serve(on_task_end=watch.task_ended)
+    report |= {
+        "entries": watch.entries,
+        "unchanged": watch.unchanged,
+        "stats": cache.stats().model_dump(),
+    }
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
