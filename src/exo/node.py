@@ -28,6 +28,7 @@ from exo.shared.types.events import (
     InstanceDeleted,
     NodeJoined,
     NodeTelemetryReported,
+    RunnerStatusChanged,
 )
 from exo.shared.types.ids import InstanceId, ModelId, NodeId, new_instance_id
 from exo.shared.types.state import InstanceRank
@@ -175,7 +176,11 @@ async def _keep_this_node_in_the_state(
                             instance_id=new_instance_id(), model_id=wanted, ranks=(rank,)
                         )
                     )
-                except (CommandRejected, ClusterUnavailable) as error:
+                except ClusterUnavailable as error:
+                    logger.warning(f"could not place {wanted} on this node yet: {error}")
+                    await anyio.sleep(heartbeat)
+                    continue  # asked again once a master answers
+                except CommandRejected as error:
                     logger.warning(f"could not place {wanted} on this node: {error}")
             wanted = None
         await anyio.sleep(heartbeat)
@@ -203,7 +208,20 @@ async def run_node(config: NodeConfig) -> None:
     )
     # Instances this node served before a restart are gone with their runners.
     stale = frozenset(i for i, inst in store.state.instances.items() if node_id in inst.node_ids)
-    link.publish(*(InstanceDeleted(instance_id=i) for i in sorted(stale)))
+    # A single-rank one is deleted (the node asks for its --model again); a rank
+    # of a ring fails, so the master places the whole instance again.
+    for instance_id in sorted(stale):
+        if len(store.state.instances[instance_id].ranks) == 1:
+            link.publish(InstanceDeleted(instance_id=instance_id))
+        else:
+            link.publish(
+                RunnerStatusChanged(
+                    instance_id=instance_id,
+                    node_id=node_id,
+                    status="failed",
+                    error="the node restarted",
+                )
+            )
     n_layers = 0
     if config.worker and config.model_id is not None:
         logger.info(f"preparing model {config.model_id} in {config.models_dir}")

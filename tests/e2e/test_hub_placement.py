@@ -21,6 +21,7 @@ from tests.model_factory import make_tiny_llama
 pytestmark = pytest.mark.slow
 
 MODEL = ModelId("hub-org/tiny-hub-llama")
+BROKEN = ModelId("hub-org/broken-llama")
 
 
 def test_a_hub_model_is_previewed_placed_downloaded_and_served(
@@ -76,6 +77,31 @@ def test_a_hub_model_is_previewed_placed_downloaded_and_served(
                 model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
             )
             assert reply.choices[0].message.content is not None
+
+            # A file the hub no longer serves: the download fails, and the
+            # instance shows it with the reason (no silent wait).
+            hub.repos[BROKEN] = repo
+            hub.fail_once("model-00002-of-00002.safetensors", 404)
+            broken = httpx.post(
+                f"{node.base_url}/place_instance", json={"model_id": BROKEN}, timeout=30
+            )
+            assert broken.status_code == 201, broken.text
+            with httpx.stream(
+                "GET",
+                f"{node.base_url}/instance/await",
+                params={"model_id": BROKEN, "timeout": 60},
+                timeout=70,
+            ) as stream:
+                events = [
+                    json.loads(line[6:])
+                    for line in stream.iter_lines()
+                    if line.startswith("data: ")
+                ]
+            assert events[-1]["status"] == "failed", events
+            [rank] = events[-1]["instances"][0]["ranks"]
+            assert "download failed" in rank["runner"]["error"]
+            assert "model-00002-of-00002.safetensors" in rank["download"]["error"]
+            assert rank["download"]["status"] == "failed"
 
             # Not on the hub either: a 404 that says so.
             missing = httpx.get(

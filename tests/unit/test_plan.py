@@ -139,8 +139,12 @@ CASES: list[tuple[str, State, LocalFacts, Action | None]] = [
      state(inst("a", ME), inst("b", ME, model_id=N)), facts(failed=["a"]),
      fetch("b", frozenset(N_CARD.files), N)),
     # Runners: only when every other rank's node has its files, by the state.
-    ("the state's complete files start the runner", state(SOLO, downloads={ME: dl(ALL)}),
-     facts(), StartRunner(SOLO, 0)),
+    # This node trusts what is on its disk, not the state it replayed (a folder
+    # deleted while it was down): the download finds present files at once.
+    ("the state's word on this node's files is not enough", state(SOLO, downloads={ME: dl(ALL)}),
+     facts(), fetch("a", frozenset(CARD.files))),
+    ("this node's own files start the runner", state(SOLO), facts(have={M: ALL}),
+     StartRunner(SOLO, 0)),
     ("other rank has no files", state(RING0), facts(have=MINE), None),
     ("other rank is still downloading",
      state(RING0, downloads={OTHER: dl({W2, CONFIG}, "downloading")}), facts(have=MINE), None),
@@ -219,3 +223,11 @@ def test_carrying_out_the_plan_ends() -> None:
         fetch("r", FIRST),
         StartRunner(RING0, 0),
     ]
+
+
+def test_a_download_being_cancelled_blocks_a_new_one_and_is_not_cancelled_twice() -> None:
+    current = state(SOLO)
+    cancelling = LocalFacts(downloading=frozenset({N}), cancelling=frozenset({N}))
+    assert plan(ME, current, cancelling) == fetch("a", frozenset(CARD.files))
+    still = LocalFacts(downloading=frozenset({M}), cancelling=frozenset({M}))
+    assert plan(ME, current, still) is None  # no second download of M while it ends

@@ -30,6 +30,7 @@ HUB_CARD_TIMEOUT_SECONDS = 60.0
 PLACED_WAIT_SECONDS = 10.0
 AWAIT_POLL_SECONDS = 0.5
 AWAIT_DEFAULT_TIMEOUT_SECONDS = 600.0
+MAX_AWAIT_TIMEOUT_SECONDS = 86_400.0
 AWAIT_KEEPALIVE_SECONDS = 10.0
 
 
@@ -122,6 +123,11 @@ def instance_routes(
                 400, f"cannot describe {model_id}: {error}", "invalid_request_error", "bad_model"
             ) from error
         cluster.publish(ModelCardPublished(card=card))
+        # The master decides placements from its state: wait (bounded) until the
+        # card is indexed, so a placement right after this sees it.
+        with anyio.move_on_after(PLACED_WAIT_SECONDS):
+            while model_id not in cluster.state.cards:
+                await anyio.sleep(0.05)
         return card
 
     async def placed(instance_id: InstanceId) -> dict[str, Any]:
@@ -199,8 +205,14 @@ def instance_routes(
         """SSE: the model's instance status (and download progress) as it changes,
         ending with `ready`, `failed` or `timeout`."""
         model = model_id_param(model_id)
-        if timeout <= 0:
-            raise APIError(400, "timeout must be > 0", "invalid_request_error", "invalid_request")
+        if not 0 < timeout <= MAX_AWAIT_TIMEOUT_SECONDS:
+            raise APIError(
+                400,
+                f"timeout must be > 0 and at most {MAX_AWAIT_TIMEOUT_SECONDS:.0f} seconds",
+                "invalid_request_error",
+                "invalid_request",
+                "timeout",
+            )
         if not any(i.model_id == model for i in cluster.state.instances.values()):
             raise APIError(
                 404,

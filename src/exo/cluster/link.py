@@ -26,6 +26,7 @@ from exo.master.commands import CommandRejected, decide
 from exo.master.event_store import EventGap, EventStore
 from exo.master.recovery import Recovery, broken_instances, instances_on
 from exo.models.local_store import ModelStore
+from exo.models.store import InvalidModelId, validate_model_id
 from exo.shared.election import Candidate, elect
 from exo.shared.types.commands import Command, command_adapter
 from exo.shared.types.events import (
@@ -463,6 +464,13 @@ class ClusterLink:
                     self.store.publish(self.node_id, [(uuid.uuid4().hex, e) for e in events])
 
 
+def _valid_model_id(value: str) -> ModelId | None:
+    try:
+        return validate_model_id(value)
+    except InvalidModelId:
+        return None
+
+
 def _read_chunks(f: BinaryIO) -> list[bytes]:
     chunks: list[bytes] = []
     for _ in range(CHUNKS_PER_READ):
@@ -545,8 +553,8 @@ class _Servicer(pb_grpc.ClusterServicer):
         self, request: pb.ListModelFilesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelFileList:
         store = self.link.model_store
-        model_id = ModelId(request.model_id)
-        if store is None or store.find(model_id) is None:
+        model_id = _valid_model_id(request.model_id)
+        if store is None or model_id is None or store.find(model_id) is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no copy of {request.model_id!r} here")
             raise AssertionError  # abort raises
         files = await anyio.to_thread.run_sync(store.list_files, model_id)
@@ -558,7 +566,8 @@ class _Servicer(pb_grpc.ClusterServicer):
         self, request: pb.FetchFileRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.FileChunk]:
         store = self.link.model_store
-        path = store.file(ModelId(request.model_id), request.path) if store else None
+        model_id = _valid_model_id(request.model_id)
+        path = store.file(model_id, request.path) if store and model_id else None
         if path is None:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no file {request.path!r} of {request.model_id!r} here"

@@ -41,14 +41,20 @@ class ModelStore:
         """Where downloads of `model_id` go."""
         return model_dir(self.models_dir, model_id)
 
+    def _folders(self, model_id: ModelId) -> list[Path]:
+        """The model's folders here (with a config.json): the models directory's
+        first, then the read-only ones in order."""
+        roots = (self.models_dir, *self.read_only_dirs)
+        return [
+            model_dir(root, model_id)
+            for root in roots
+            if (model_dir(root, model_id) / CONFIG_FILE).is_file()
+        ]
+
     def find(self, model_id: ModelId) -> Path | None:
-        """The model's folder (with a config.json): the models directory first,
-        then the read-only ones in order."""
-        for root in (self.models_dir, *self.read_only_dirs):
-            path = model_dir(root, model_id)
-            if (path / CONFIG_FILE).is_file():
-                return path
-        return None
+        """The model's most complete folder here (ties: the models directory's)."""
+        folders = self._folders(model_id)
+        return max(folders, key=lambda f: len(_files_in(f)), default=None)
 
     def resolve(self, model_id: ModelId) -> Path:
         """The model's folder, importing the built-in model on first use."""
@@ -74,9 +80,8 @@ class ModelStore:
         return _files_in(writable)
 
     def folder_with(self, model_id: ModelId, files: set[str]) -> Path | None:
-        """A folder here that holds all of `files`."""
-        for root in (*self.read_only_dirs, self.models_dir):
-            folder = model_dir(root, model_id)
+        """A model folder here that holds all of `files` (read-only ones first)."""
+        for folder in sorted(self._folders(model_id), key=lambda f: f.parent == self.models_dir):
             if files <= _files_in(folder):
                 return folder
         return None

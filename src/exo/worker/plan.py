@@ -24,6 +24,7 @@ class LocalFacts:
     # only once the master has indexed this node's progress event).
     have_files: Mapping[ModelId, Set[str]] = field(default_factory=dict)
     downloading: Set[ModelId] = frozenset()  # models with a download task here
+    cancelling: Set[ModelId] = frozenset()  # of those, the ones already told to stop
     # Instances whose download failed here: not retried for them (the state
     # shows the failure; deleting and placing again retries).
     download_failed: Set[InstanceId] = frozenset()
@@ -93,13 +94,15 @@ def plan(node_id: NodeId, state: State, local: LocalFacts) -> Action | None:
         if instance_id not in {instance.instance_id for instance in mine}:
             return StopRunner(instance_id)
     wanted = {instance.model_id for instance in mine if instance.instance_id not in local.running}
-    for model_id in sorted(local.downloading):
+    for model_id in sorted(local.downloading - local.cancelling):
         if model_id not in wanted:
             return CancelDownload(model_id)
     for instance in mine:
         if instance.instance_id in local.running:
             continue
-        if not has_files(state, instance, node_id, local.have_files.get(instance.model_id)):
+        if not has_files(
+            state, instance, node_id, local.have_files.get(instance.model_id, frozenset())
+        ):
             if (
                 instance.model_id not in local.downloading
                 and instance.instance_id not in local.download_failed

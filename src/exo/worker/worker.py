@@ -37,12 +37,15 @@ from exo.worker.plan import (
     StartDownload,
     StartRunner,
     StopRunner,
+    needed_files,
     plan,
 )
 from exo.worker.runner.supervisor import PipelineRank, RunnerSupervisor
 
 # Re-plan at least this often even without events (bounded waits).
 REPLAN_SECONDS = 5.0
+# How long deleting a model's files waits for its cancelled download to end.
+DOWNLOAD_STOP_SECONDS = 10.0
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Worker:
         self._running: dict[InstanceId, _Running] = {}
         self._announced: set[InstanceId] = set()
         self._downloads: dict[ModelId, anyio.CancelScope] = {}
+        self._cancelling: set[ModelId] = set()
         self._have: dict[ModelId, set[str]] = {}
         self._download_failed: set[InstanceId] = set()
         self._sources_used: dict[ModelId, str] = {}  # where each model's last bytes came from
@@ -101,6 +105,7 @@ class Worker:
             running=frozenset(self._running),
             have_files=self._have,
             downloading=frozenset(self._downloads),
+            cancelling=frozenset(self._cancelling),
             download_failed=frozenset(self._download_failed),
             stale=self.stale,
         )
@@ -119,7 +124,10 @@ class Worker:
                     self._start_download(action, group)
                 case CancelDownload():
                     logger.info(f"download of {action.model_id} no longer needed: cancelled")
-                    self._downloads.pop(action.model_id).cancel()
+                    # Kept listed until its task has ended (a thread may still be
+                    # writing the partial): no new download of it starts before.
+                    self._downloads[action.model_id].cancel()
+                    self._cancelling.add(action.model_id)
                     self._publish_progress(
                         DownloadProgress(
                             model_id=action.model_id,
@@ -191,9 +199,24 @@ class Worker:
                 )
                 if model_id not in self.link.state.cards:
                     await self.publish_local_models()
-            except (DownloadError, OSError, ValueError) as error:
-                logger.error(f"download of {model_id} failed: {error}")
+            except Exception as error:  # any failure to fetch is the instance's failure
+                reason = (
+                    str(error)
+                    if isinstance(error, DownloadError)
+                    else f"{type(error).__name__}: {error}"
+                )
+                logger.error(f"download of {model_id} failed: {reason}")
                 self._download_failed.add(action.instance_id)
+                # The instance cannot start here: its rank fails, visibly, and the
+                # master places a multi-rank instance again.
+                self.link.publish(
+                    RunnerStatusChanged(
+                        instance_id=action.instance_id,
+                        node_id=self.link.node_id,
+                        status="failed",
+                        error=f"download failed: {reason}",
+                    )
+                )
                 self._publish_progress(
                     DownloadProgress(
                         model_id=model_id,
@@ -202,19 +225,23 @@ class Worker:
                         files_done=0,
                         bytes_total=0,
                         bytes_done=0,
-                        error=str(error),
+                        error=reason,
                         have_files=tuple(sorted(self._have.get(model_id, ()))),
                     )
                 )
             finally:
                 if self._downloads.get(model_id) is scope:
                     del self._downloads[model_id]
+                    self._cancelling.discard(model_id)
 
     async def delete_model_files(self, model_id: ModelId) -> bool:
         """Delete this node's writable copy of a model; False when there is none."""
-        scope = self._downloads.pop(model_id, None)
+        scope = self._downloads.get(model_id)
         if scope is not None:
             scope.cancel()
+            with anyio.move_on_after(DOWNLOAD_STOP_SECONDS):
+                while self._downloads.get(model_id) is scope:  # its task is ending
+                    await anyio.sleep(0.05)
         deleted = await anyio.to_thread.run_sync(self.models.delete, model_id)
         self._have.pop(model_id, None)
         remaining = await anyio.to_thread.run_sync(self.models.complete_files, model_id)
@@ -252,9 +279,9 @@ class Worker:
             f"starting a runner for {instance.model_id}{where} (instance {instance.instance_id})"
         )
         try:
-            wanted = self._have.get(instance.model_id, set())
+            wanted = needed_files(self.link.state, instance, self.link.node_id)
             path = await anyio.to_thread.run_sync(
-                self.models.folder_with, instance.model_id, wanted
+                self.models.folder_with, instance.model_id, set(wanted or ())
             )
             if path is None:
                 path = await anyio.to_thread.run_sync(self.models.resolve, instance.model_id)
@@ -266,6 +293,7 @@ class Worker:
             return
         pipeline = (
             PipelineRank(
+                instance_id=instance.instance_id,
                 rank=rank,
                 start_layer=part.start_layer,
                 end_layer=part.end_layer,
@@ -309,8 +337,11 @@ class Worker:
         running = self._running.pop(instance_id)
         if running.runner is not None:
             logger.info(f"stopping the runner of instance {instance_id}")
-            if running.served is not None:
-                self.served.pop(running.instance.model_id, None)
+            if (
+                running.served is not None
+                and self.served.get(running.instance.model_id) is running.served
+            ):
+                del self.served[running.instance.model_id]
             await running.runner.shutdown()
         running.scope.cancel()
 
@@ -325,6 +356,12 @@ async def publish_local_models(link: ClusterLink, models: ModelStore) -> dict[Mo
         )
     if found:
         logger.info(f"models here: {', '.join(sorted(c.model_id for c, _ in found))}")
+    # What the state still says from before a restart (a download cut short, a
+    # deleted folder) is corrected: partial files are picked up by the next download.
+    here = {card.model_id for card, _ in found}
+    for model_id in sorted(link.state.downloads.get(link.node_id, {})):
+        if model_id not in here:
+            link.publish(DownloadRemoved(node_id=link.node_id, model_id=model_id))
     return {card.model_id: files for card, files in found}
 
 

@@ -21,7 +21,7 @@ from loguru import logger
 from pydantic import ValidationError
 
 from exo.engine.mlx.prefix_cache import CacheStats
-from exo.shared.types.ids import ModelId, TaskId
+from exo.shared.types.ids import InstanceId, ModelId, TaskId
 from exo.shared.types.runner import RunnerStatus
 from exo.worker.runner.blas import runner_environment
 from exo.worker.runner.protocol import (
@@ -56,6 +56,7 @@ _SEND_ERRORS = (RunnerUnavailable, anyio.BrokenResourceError, OSError, TimeoutEr
 class PipelineRank:
     """This runner's part of a multi-rank instance."""
 
+    instance_id: InstanceId
     rank: int
     start_layer: int
     end_layer: int
@@ -138,19 +139,26 @@ class RunnerSupervisor:
             "--prefix-cache-bytes",
             str(self.prefix_cache_bytes),
         ]
-        env = runner_environment(self.cache_dir)
-        if self.pipeline is not None:
-            hostfile = self.cache_dir / f"ring-{self.model_id.replace('/', '--')}.json"
-            hostfile.write_text(self.pipeline.hostfile_json())
-            command += [
-                "--start-layer",
-                str(self.pipeline.start_layer),
-                "--end-layer",
-                str(self.pipeline.end_layer),
-            ]
-            env |= {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(self.pipeline.rank)}
         reached_ready = False
-        process = await anyio.open_process(command, env=env, stderr=None)
+        try:
+            env = runner_environment(self.cache_dir)
+            if self.pipeline is not None:
+                self.cache_dir.mkdir(parents=True, exist_ok=True)
+                hostfile = self.cache_dir / f"ring-{self.pipeline.instance_id}.json"
+                hostfile.write_text(self.pipeline.hostfile_json())
+                command += [
+                    "--start-layer",
+                    str(self.pipeline.start_layer),
+                    "--end-layer",
+                    str(self.pipeline.end_layer),
+                ]
+                env |= {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(self.pipeline.rank)}
+            process = await anyio.open_process(command, env=env, stderr=None)
+        except OSError as error:  # the runner's failure, never the node's
+            self._set_status("failed", f"cannot start the runner: {error}")
+            self._fail_all(f"runner failed: {error}")
+            self._exited.set()
+            return False
         self._process = process
         try:
             assert process.stdout is not None
