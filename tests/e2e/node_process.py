@@ -1,5 +1,6 @@
 """Start `exo` as a real process on a free loopback port, for end-to-end tests."""
 
+import json
 import os
 import signal
 import socket
@@ -134,3 +135,14 @@ def running_node(
         yield node
     finally:
         node.stop()
+
+
+def await_instance(base_url: str, model_id: str, timeout: float = 120) -> list[dict[str, Any]]:
+    """The events of `GET /instance/await` for `model_id`, until it ends."""
+    with httpx.stream(
+        "GET",
+        f"{base_url}/instance/await",
+        params={"model_id": model_id, "timeout": timeout},
+        timeout=timeout + 10,
+    ) as stream:
+        return [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]

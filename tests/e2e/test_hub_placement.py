@@ -13,7 +13,7 @@ import pytest
 
 from exo.models.cards import card_from_folder
 from exo.shared.types.ids import ModelId
-from tests.e2e.node_process import running_node
+from tests.e2e.node_process import await_instance, running_node
 from tests.hub_server import FakeHub
 from tests.integration.cluster_process import wait_until
 from tests.model_factory import make_tiny_llama
@@ -55,17 +55,7 @@ def test_a_hub_model_is_previewed_placed_downloaded_and_served(
                 f"{node.base_url}/place_instance", json={"model_id": MODEL}, timeout=30
             )
             assert placed.status_code == 201, placed.text
-            with httpx.stream(
-                "GET",
-                f"{node.base_url}/instance/await",
-                params={"model_id": MODEL, "timeout": 120},
-                timeout=130,
-            ) as stream:
-                statuses = [
-                    json.loads(line[6:])["status"]
-                    for line in stream.iter_lines()
-                    if line.startswith("data: ")
-                ]
+            statuses = [e["status"] for e in await_instance(node.base_url, MODEL)]
             assert statuses[-1] == "ready", statuses
             assert "waiting" in statuses
             for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
@@ -86,17 +76,7 @@ def test_a_hub_model_is_previewed_placed_downloaded_and_served(
                 f"{node.base_url}/place_instance", json={"model_id": BROKEN}, timeout=30
             )
             assert broken.status_code == 201, broken.text
-            with httpx.stream(
-                "GET",
-                f"{node.base_url}/instance/await",
-                params={"model_id": BROKEN, "timeout": 60},
-                timeout=70,
-            ) as stream:
-                events = [
-                    json.loads(line[6:])
-                    for line in stream.iter_lines()
-                    if line.startswith("data: ")
-                ]
+            events = await_instance(node.base_url, BROKEN, timeout=60)
             assert events[-1]["status"] == "failed", events
             [rank] = events[-1]["instances"][0]["ranks"]
             assert "download failed" in rank["runner"]["error"]

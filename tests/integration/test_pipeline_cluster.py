@@ -13,6 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from exo.models.store import model_dir
 from exo.shared.types.ids import ModelId
+from tests.e2e.node_process import await_instance
 from tests.integration.cluster_process import Cluster, agreed, wait_until
 from tests.model_factory import make_tiny_llama
 
@@ -41,11 +42,8 @@ def ask(base_url: str, max_tokens: int = 16) -> str:
 
 
 def await_ready(base_url: str) -> None:
-    with httpx.stream(
-        "GET", f"{base_url}/instance/await", params={"model_id": MODEL, "timeout": 120}, timeout=130
-    ) as stream:
-        last = [line for line in stream.iter_lines() if line.startswith("data: ")][-1]
-    assert '"status": "ready"' in last, last
+    events = await_instance(base_url, MODEL)
+    assert events[-1]["status"] == "ready", events
 
 
 def test_two_ranks_answer_like_one_and_a_killed_rank_is_replaced(

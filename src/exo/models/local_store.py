@@ -69,15 +69,11 @@ class ModelStore:
         return path
 
     def complete_files(self, model_id: ModelId, files: set[str] | None = None) -> set[str]:
-        """Relative paths of the model's complete files here. With `files`, a
-        read-only copy counts only if it has all of them (it cannot be completed)."""
-        writable = self.writable_dir(model_id)
-        for root in self.read_only_dirs:
-            folder = model_dir(root, model_id)
-            have = _files_in(folder)
-            if have and (files is None or files <= have):
-                return have
-        return _files_in(writable)
+        """Relative paths of the model's complete files in the folder used for it:
+        a read-only copy only if it has all of `files` (it cannot be completed),
+        else the writable one."""
+        folder = self.folder_with(model_id, files or set())
+        return _files_in(folder or self.writable_dir(model_id))
 
     def folder_with(self, model_id: ModelId, files: set[str]) -> Path | None:
         """A model folder here that holds all of `files` (read-only ones first)."""
