@@ -53,7 +53,7 @@ import httpx
 import psutil
 from exo_node import free_port, launch_exo
 
-from exo.cluster.auth import cluster_channel
+from exo.cluster.auth import connect
 from exo.cluster.proto import cluster_pb2 as pb
 from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
 from exo.shared.types.events import NodeTelemetryReported, event_adapter
@@ -310,7 +310,7 @@ class LatencyResult:
     ack_s: list[float]  # per event
     per_node_s: list[list[float]]  # per node, per event
     all_s: list[float]  # per event: until it was on all three streams
-    rpc_s: list[float]  # per call: a read-only RPC (Elect) to the master, the gRPC floor
+    rpc_s: list[float]  # per call: a read-only RPC (ListModelFiles) to the master, the gRPC floor
 
 
 def busy_cpu_seconds() -> float:
@@ -348,8 +348,8 @@ async def measure(
     arrivals = Arrivals(len(nodes))
     pids = [node.process.pid for node in nodes]
 
-    channel = cluster_channel(master_address, args.secret)
-    stub = pb_grpc.ClusterStub(channel)
+    session = await connect(master_address, args.secret, NodeId(master_id))
+    stub = session.stub
     results: tuple[ThroughputResult, LatencyResult] | None = None
     try:
         async with httpx.AsyncClient() as client, anyio.create_task_group() as readers:
@@ -372,7 +372,7 @@ async def measure(
             results = (throughput, latency)
             readers.cancel_scope.cancel()
     finally:
-        await channel.close()
+        await session.close()
     if results is None:
         raise RuntimeError("the event streams ended before the measurement did")
     return results
@@ -444,7 +444,10 @@ async def measure_latency(
     # The floor under an ack: a gRPC round trip to the master that writes nothing.
     for _ in range(args.latency_events):
         sent = time.perf_counter()
-        await stub.Elect(pb.ElectionMessage(), timeout=RPC_TIMEOUT_SECONDS)
+        with suppress(grpc.aio.AioRpcError):  # NOT_FOUND: no such model here
+            await stub.ListModelFiles(
+                pb.ListModelFilesRequest(model_id="bench/none"), timeout=RPC_TIMEOUT_SECONDS
+            )
         result.rpc_s.append(time.perf_counter() - sent)
         await anyio.sleep(args.gap_ms / 1000)
     origin = f"{tag}-l"

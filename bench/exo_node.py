@@ -263,6 +263,19 @@ class StreamResult:
         return int(details.get("cached_tokens", 0) or 0)
 
 
+def sse_data(client: httpx.Client, url: str, body: dict[str, Any], timeout: float) -> Iterator[str]:
+    """POST `body` and yield the payload of each SSE `data:` line as it arrives
+    (blank separators and ": keep-alive" comments are skipped); an answer other
+    than 200 raises."""
+    with client.stream("POST", url, json=body, timeout=timeout) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:500]}")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                yield line[len("data: ") :]
+
+
 def stream_chat(
     client: httpx.Client,
     base_url: str,
@@ -284,32 +297,23 @@ def stream_chat(
     result = StreamResult()
     parts: list[str] = []
     start = time.perf_counter()
-    with client.stream(
-        "POST", f"{base_url}/v1/chat/completions", json=body, timeout=timeout
-    ) as response:
-        if response.status_code != 200:
-            response.read()
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:500]}")
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue  # blank separators and ": keep-alive" comments
-            payload = line[len("data: ") :]
-            if payload == "[DONE]":
-                break
-            chunk = json.loads(payload)
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            if chunk.get("usage"):
-                result.usage = chunk["usage"]
-            for choice in chunk.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    result.content_times.append(time.perf_counter() - start)
-                    parts.append(content)
-                if choice.get("finish_reason"):
-                    result.finish_reason = choice["finish_reason"]
-            if time.perf_counter() - start > timeout:
-                raise TimeoutError(f"stream still going after {timeout:.0f}s")
+    for payload in sse_data(client, f"{base_url}/v1/chat/completions", body, timeout):
+        if payload == "[DONE]":
+            break
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            raise RuntimeError(f"stream error: {chunk['error']}")
+        if chunk.get("usage"):
+            result.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                result.content_times.append(time.perf_counter() - start)
+                parts.append(content)
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
+        if time.perf_counter() - start > timeout:
+            raise TimeoutError(f"stream still going after {timeout:.0f}s")
     result.total_seconds = time.perf_counter() - start
     result.text = "".join(parts)
     return result

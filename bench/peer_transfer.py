@@ -52,10 +52,10 @@ import psutil
 from exo_node import CpuMeter, free_port, launch_exo, median, stop_exo
 from loguru import logger
 
+from exo.cluster.model_files import PeerSource
 from exo.shared.allocator import keep_large_buffers_in_the_heap
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.ids import ModelId, NodeId
-from exo.worker.downloads.peer import PeerSource
 from exo.worker.downloads.transfer import download_files
 
 MODEL_ID = ModelId("bench/transfer")
@@ -277,7 +277,7 @@ def time_stream(source: PeerSource, names: list[str]) -> tuple[float, int]:
 def measure(
     node: Node, sources: list[Path], work: Path, rounds: int, log: Callable[[str], None]
 ) -> Rounds:
-    source = PeerSource(NodeId("bench-server"), node.grpc_address, node.secret)
+    source = PeerSource(NodeId("bench-server"), node.grpc_address, node.secret, NodeId("bench"))
     names = [path.name for path in sources]
     total = sum(path.stat().st_size for path in sources)
     meter = CpuMeter({"node": node.process.pid, "bench": os.getpid()})
@@ -411,7 +411,9 @@ def main() -> None:
             f"{time.perf_counter() - start:.1f}s; {psutil.cpu_count()} cores"
         )
         with serving_node(root, models_dir) as node:
-            source = PeerSource(NodeId("bench-server"), node.grpc_address, node.secret)
+            source = PeerSource(
+                NodeId("bench-server"), node.grpc_address, node.secret, NodeId("bench")
+            )
             read_all(sources)
             first, listed = time_listing(source)
             if listed != total:

@@ -8,7 +8,6 @@ import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from exo.shared.types.ids import TaskId
+from exo.shared.types.shard import LayerRange
 from exo.shared.types.tasks import GenerationParams, Usage
 from exo.worker.runner.blas import runner_environment
 from exo.worker.runner.protocol import (
@@ -26,13 +26,13 @@ from exo.worker.runner.protocol import (
     Finished,
     FromRunner,
     Generate,
-    LoadedShard,
     Shutdown,
     StatusChanged,
     TaskFailed,
     ToRunner,
     from_runner_adapter,
 )
+from exo.worker.runner.runner_main import runner_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # OpenBLAS worker threads spin ~2^28 cycles (~0.1 s) after each call before they
@@ -76,7 +76,9 @@ def even_bounds(layers: int, ranks: int) -> list[int]:
 
 def rank_environment(work_dir: Path, hostfile: Path | None, rank: int) -> dict[str, str]:
     env = runner_environment(work_dir / "cache")
-    if OPENBLAS_THREAD_TIMEOUT is not None:
+    if OPENBLAS_THREAD_TIMEOUT is None:
+        env.pop("OPENBLAS_THREAD_TIMEOUT", None)  # the runner environment sets one
+    else:
         env["OPENBLAS_THREAD_TIMEOUT"] = OPENBLAS_THREAD_TIMEOUT
     env.pop("MLX_HOSTFILE", None)
     env.pop("MLX_RANK", None)
@@ -214,19 +216,9 @@ def start_runner(
     prefix_cache_bytes: int,
     hostfile: Path | None = None,
     rank: int = 0,
-    layers: tuple[int, int] | None = None,
+    layers: LayerRange | None = None,
 ) -> RunnerProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "exo.worker.runner.runner_main",
-        "--model-dir",
-        str(model_dir),
-        "--prefix-cache-bytes",
-        str(prefix_cache_bytes),
-    ]
-    if layers is not None:
-        command += ["--start-layer", str(layers[0]), "--end-layer", str(layers[1])]
+    command = runner_command(model_dir, prefix_cache_bytes, layers)
     name = f"runner-{rank}-of-{hostfile.stem if hostfile else 'single'}.log"
     return RunnerProcess(command, rank_environment(work_dir, hostfile, rank), work_dir / name)
 
@@ -234,7 +226,6 @@ def start_runner(
 @dataclass
 class Pipeline:
     ranks: list[RunnerProcess]
-    shards: list[LoadedShard]
 
     @property
     def entry(self) -> RunnerProcess:
@@ -259,17 +250,16 @@ def running_pipeline(
             prefix_cache_bytes,
             hostfile,
             rank,
-            (bounds[rank], bounds[rank + 1]) if hostfile else None,
+            LayerRange(start=bounds[rank], end=bounds[rank + 1], total=bounds[-1])
+            if hostfile
+            else None,
         )
         for rank in range(count)
     ]
     try:
-        shards: list[LoadedShard] = []
         for runner in runners:
-            ready = runner.wait_status("ready", ready_timeout)
-            assert ready.shard is not None
-            shards.append(ready.shard)
-        yield Pipeline(runners, shards)
+            runner.wait_status("ready", ready_timeout)
+        yield Pipeline(runners)
     finally:
         for runner in runners:
             runner.stop()

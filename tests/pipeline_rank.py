@@ -14,17 +14,18 @@ from pathlib import Path
 
 import numpy as np
 
-from exo.engine.mlx.generate import GenerationDone, TextDelta
+from exo.engine.mlx.generate import GenerationDone, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_model_tokenizer
 from exo.engine.mlx.pipeline import (
     PipelineDriver,
     PipelineFollower,
     handshake,
-    join_ring,
     ring_prefix_cache,
 )
 from exo.engine.mlx.prefix_cache import KVPrefixCache
-from exo.engine.mlx.shard import load_shard
+from exo.engine.mlx.ring import join_ring
+from exo.engine.mlx.shard import load_shard, model_layer_count
+from exo.shared.types.shard import LayerRange
 from exo.shared.types.tasks import GenerationParams
 
 EntryArrays = dict[int, list[np.ndarray]]
@@ -45,10 +46,12 @@ class CacheWatch:
         self.before: EntryArrays = {}
         self.entries: list[dict[int, int]] = []
         self.unchanged: list[bool] = []
+        self.tokens: dict[int, tuple[int, ...]] = {}
 
     def task_ended(self) -> None:
         after = entry_arrays(self.cache)
-        kept = [i for i in self.before if i in after]
+        # An entry extended in place holds other tokens now: only same-token entries compare.
+        kept = [i for i in self.before if i in after and self.tokens.get(i) == self._tokens(i)]
         self.unchanged.append(
             all(
                 len(self.before[i]) == len(after[i])
@@ -58,6 +61,10 @@ class CacheWatch:
         )
         self.entries.append({i: len(self.cache.entry_tokens(i)) for i in after})
         self.before = after
+        self.tokens = {i: self._tokens(i) for i in after}
+
+    def _tokens(self, entry_id: int) -> tuple[int, ...]:
+        return self.cache.entry_tokens(entry_id)
 
 
 def main() -> None:
@@ -70,19 +77,22 @@ def main() -> None:
     args = parser.parse_args()
 
     link = join_ring(timeout=60)
-    shard = load_shard(args.model_dir, args.start_layer, args.end_layer)
+    total = model_layer_count(args.model_dir)
+    layers = LayerRange(start=args.start_layer, end=args.end_layer, total=total)
+    shard = load_shard(args.model_dir, layers)
     cache = ring_prefix_cache(link, args.byte_budget, lambda: False)
     assert cache is not None
-    handshake(link, shard.layer_range, True, timeout=60)
+    handshake(link, layers, True, timeout=60)
     watch = CacheWatch(cache)
     report: dict[str, object] = {"rank": link.rank}
     if link.rank == 0:
-        driver = PipelineDriver(link, shard, load_model_tokenizer(args.model_dir), cache)
+        driver = PipelineDriver(link, shard)
+        generator = TextGenerator(driver, load_model_tokenizer(args.model_dir), cache)
         results: list[dict[str, object]] = []
         for request in json.loads(args.requests.read_text()):
             params = GenerationParams.model_validate(request["params"])
             text, usage = "", None
-            for output in driver.generate(request["tokens"], params):
+            for output in generator.generate(request["tokens"], params):
                 if isinstance(output, TextDelta):
                     text += output.text
                 elif isinstance(output, GenerationDone):
@@ -92,7 +102,8 @@ def main() -> None:
         driver.shutdown()
         report["results"] = results
     else:
-        PipelineFollower(link, shard, cache).serve(on_task_end=watch.task_ended)
+        tokenizer = load_model_tokenizer(args.model_dir) if link.is_last else None
+        PipelineFollower(link, shard, cache, tokenizer).serve(on_task_end=watch.task_ended)
     report |= {
         "entries": watch.entries,
         "unchanged": watch.unchanged,

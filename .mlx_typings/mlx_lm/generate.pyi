@@ -21,6 +21,7 @@ def generate_step(
     *,
     max_tokens: int = ...,
     sampler: Callable[[mx.array], mx.array] | None = ...,
+    logits_processors: list[Callable[[mx.array, mx.array], mx.array]] | None = ...,
     prompt_cache: list[Any] | None = ...,
     prefill_step_size: int = ...,
 ) -> Generator[tuple[int, mx.array], None, None]: ...

@@ -9,10 +9,19 @@ from typing import Any, NoReturn
 import anyio
 import psutil
 from loguru import logger
+from pydantic import ValidationError
 
+from exo.api.admission import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_QUEUE_TIMEOUT_SECONDS,
+    AdmissionLimits,
+)
 from exo.api.app import KEEPALIVE_SECONDS
+from exo.api.model_alias import parse_model_alias
 from exo.cluster.auth import validate_secret
-from exo.cluster.link import LinkTiming
+from exo.cluster.timing import LinkTiming
 from exo.models.builtin import DEFAULT_MODEL_ID
 from exo.models.store import InvalidModelId, default_data_dir, model_dir, validate_model_id
 from exo.node import NodeConfig, NodeStartupError, run_node
@@ -22,6 +31,8 @@ DEFAULT_API_PORT = 52415
 DEFAULT_GRPC_PORT = 52414
 # Share of RAM the prefix cache may hold by default.
 DEFAULT_PREFIX_CACHE_FRACTION = 0.2
+# Share of the data dir's free disk the prefix cache's disk tier may hold by default.
+DEFAULT_PREFIX_CACHE_DISK_FRACTION = 0.1
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -49,7 +60,16 @@ def _node_parser() -> argparse.ArgumentParser:
         "--host",
         "EXO_HOST",
         "0.0.0.0",
-        "address the API binds to; the API has no authentication, use 127.0.0.1 to keep it local",
+        "address the HTTP API binds to; 127.0.0.1 keeps it on this machine (the cluster link "
+        "binds --grpc-host)",
+    )
+    _flag(
+        parser,
+        "--api-key",
+        "EXO_API_KEY",
+        None,
+        "key every API request must carry (Authorization: Bearer KEY or x-api-key: KEY), but "
+        "/health and the dashboard page; every node of a cluster needs the same one",
     )
     _flag(parser, "--api-port", "EXO_API_PORT", str(DEFAULT_API_PORT), "HTTP API port", type=int)
     _flag(
@@ -77,6 +97,14 @@ def _node_parser() -> argparse.ArgumentParser:
     )
     _flag(
         parser,
+        "--min-free-disk-bytes",
+        "EXO_MIN_FREE_DISK_BYTES",
+        None,
+        "free disk space downloads never use (default: 1 GiB or 5 %% of the disk, the larger)",
+        type=int,
+    )
+    _flag(
+        parser,
         "--model",
         "EXO_MODEL",
         DEFAULT_MODEL_ID,
@@ -92,11 +120,61 @@ def _node_parser() -> argparse.ArgumentParser:
     )
     _flag(
         parser,
+        "--prefix-cache-disk-bytes",
+        "EXO_PREFIX_CACHE_DISK_BYTES",
+        None,
+        "bytes of disk the KV prefix cache keeps entries in across restarts, 0 disables it "
+        f"(default {DEFAULT_PREFIX_CACHE_DISK_FRACTION * 100:.0f}%% of the data dir's free disk)",
+        type=int,
+    )
+    _flag(
+        parser,
         "--sse-keepalive-seconds",
         "EXO_SSE_KEEPALIVE_SECONDS",
         str(KEEPALIVE_SECONDS),
         "longest silence on a stream before an SSE keep-alive comment, e.g. during a long prefill",
         type=float,
+    )
+    _flag(
+        parser,
+        "--max-concurrent",
+        "EXO_MAX_CONCURRENT",
+        str(DEFAULT_MAX_CONCURRENT),
+        "requests a served model works on at once (its runner's batch)",
+        type=int,
+    )
+    _flag(
+        parser,
+        "--max-queued",
+        "EXO_MAX_QUEUED",
+        str(DEFAULT_MAX_QUEUED),
+        "requests per served model that wait for a free slot; more are refused with 429",
+        type=int,
+    )
+    _flag(
+        parser,
+        "--queue-timeout-seconds",
+        "EXO_QUEUE_TIMEOUT_SECONDS",
+        str(DEFAULT_QUEUE_TIMEOUT_SECONDS),
+        "a request that waits longer for a slot is answered 503",
+        type=float,
+    )
+    _flag(
+        parser,
+        "--max-body-bytes",
+        "EXO_MAX_BODY_BYTES",
+        str(DEFAULT_MAX_BODY_BYTES),
+        "largest request body accepted; larger ones are answered 413",
+        type=int,
+    )
+    _flag(
+        parser,
+        "--model-alias",
+        "EXO_MODEL_ALIAS",
+        "",
+        "comma-separated PATTERN=MODEL rules naming the served model that answers requests for "
+        "other model names (fnmatch patterns, first match wins), e.g. 'claude-*=MODEL'; "
+        "claude-* names go to the only served model when there is one",
     )
     _flag(
         parser,
@@ -108,6 +186,13 @@ def _node_parser() -> argparse.ArgumentParser:
         choices=LOG_LEVELS,
     )
     cluster = parser.add_argument_group("cluster")
+    _flag(
+        cluster,
+        "--grpc-host",
+        "EXO_GRPC_HOST",
+        "0.0.0.0",
+        "address the cluster link (gRPC) binds to",
+    )
     _flag(
         cluster,
         "--grpc-port",
@@ -240,11 +325,34 @@ def main(argv: list[str] | None = None) -> None:
         secret = validate_secret(args.cluster_secret)
     except ValueError as error:
         _fail(str(error))
+    try:
+        aliases = tuple(
+            parse_model_alias(rule) for rule in args.model_alias.split(",") if rule.strip()
+        )
+    except ValueError as error:
+        _fail(f"--model-alias: {error}")
+    try:
+        admission = AdmissionLimits(
+            max_concurrent=args.max_concurrent,
+            max_queued=args.max_queued,
+            queue_timeout_seconds=args.queue_timeout_seconds,
+            max_body_bytes=args.max_body_bytes,
+        )
+    except ValidationError as error:
+        first = error.errors()[0]
+        _fail(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg'].lower()}")
     cache_bytes = args.prefix_cache_bytes
     if cache_bytes is None:
         cache_bytes = int(psutil.virtual_memory().total * DEFAULT_PREFIX_CACHE_FRACTION)
     if cache_bytes < 0:
         _fail("--prefix-cache-bytes must be 0 (disabled) or a positive number of bytes")
+    disk_bytes = args.prefix_cache_disk_bytes
+    if disk_bytes is None:
+        args.data_dir.mkdir(parents=True, exist_ok=True)
+        free = psutil.disk_usage(str(args.data_dir)).free
+        disk_bytes = int(free * DEFAULT_PREFIX_CACHE_DISK_FRACTION)
+    if disk_bytes < 0:
+        _fail("--prefix-cache-disk-bytes must be 0 (disabled) or a positive number of bytes")
     config = NodeConfig(
         host=args.host,
         api_port=args.api_port,
@@ -252,7 +360,12 @@ def main(argv: list[str] | None = None) -> None:
         models_dir=args.models_dir or args.data_dir / "models",
         model_id=model_id,
         prefix_cache_bytes=cache_bytes,
+        prefix_cache_disk_bytes=disk_bytes,
         sse_keepalive_seconds=args.sse_keepalive_seconds,
+        admission=admission,
+        model_aliases=aliases,
+        api_key=args.api_key or None,
+        grpc_host=args.grpc_host,
         grpc_port=args.grpc_port,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
         cluster_secret=secret,
@@ -264,6 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         read_only_models_dirs=tuple(
             Path(d) for d in args.models_read_only_dirs.split(os.pathsep) if d.strip()
         ),
+        min_free_disk_bytes=args.min_free_disk_bytes,
     )
     keep_large_buffers_in_the_heap()
     try:

@@ -12,18 +12,24 @@ import anyio.abc
 import uvicorn
 from loguru import logger
 
+from exo.api.admission import AdmissionLimits
 from exo.api.app import create_app
-from exo.cluster.auth import secret_fingerprint
+from exo.api.auth import APIAccess, is_loopback_address
+from exo.api.model_alias import ModelAlias
 from exo.cluster.discovery import MdnsDiscovery, default_advertised_addresses
-from exo.cluster.link import ClusterLink, ClusterUnavailable, LinkTiming
-from exo.master.commands import CommandRejected
-from exo.master.event_log import EventLog, EventLogCorrupted
-from exo.master.event_store import EventStore, now_ms
+from exo.cluster.link import ClusterLink
+from exo.cluster.timing import LinkTiming
+from exo.cluster.tls import NodeCertificate
+from exo.master.master import Master
 from exo.models.builtin import BuiltinModelMissing
 from exo.models.cards import ModelCardError, card_from_folder
 from exo.models.gguf_import import GGUFImportError
 from exo.models.local_store import ModelStore, ModelUnavailable
-from exo.shared.types.commands import CreateInstance
+from exo.shared.data_dir import DataDirInUse, DataDirLock, atomic_write_bytes
+from exo.shared.event_log import EventLog, EventLogCorrupted
+from exo.shared.event_store import EventStore, now_ms
+from exo.shared.state_snapshot import SnapshotCorrupted
+from exo.shared.types.commands import ClusterUnavailable, CommandRejected, CreateInstance
 from exo.shared.types.events import (
     InstanceDeleted,
     NodeJoined,
@@ -32,7 +38,8 @@ from exo.shared.types.events import (
 )
 from exo.shared.types.ids import InstanceId, ModelId, NodeId, new_instance_id
 from exo.shared.types.state import InstanceRank
-from exo.worker.telemetry import read_telemetry
+from exo.worker.downloads.disk_space import DiskSpace
+from exo.worker.telemetry import read_telemetry, telemetry_changed
 from exo.worker.worker import Worker, publish_local_models
 
 EVENT_LOG_NAME = "events.log"
@@ -51,6 +58,10 @@ class NodeConfig:
     model_id: ModelId | None  # served from the start; None: only what is placed here
     prefix_cache_bytes: int
     sse_keepalive_seconds: float
+    prefix_cache_disk_bytes: int = 0
+    model_aliases: tuple[ModelAlias, ...] = ()
+    api_key: str | None = None  # None: the API is open to whoever reaches it
+    grpc_host: str = "0.0.0.0"
     grpc_port: int = 52414
     peers: tuple[str, ...] = ()
     cluster_secret: str = ""
@@ -60,6 +71,8 @@ class NodeConfig:
     discovery: bool = True
     timing: LinkTiming = field(default_factory=LinkTiming)
     read_only_models_dirs: tuple[Path, ...] = ()
+    min_free_disk_bytes: int | None = None  # None: 1 GiB or 5 % of the disk
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
 
     def model_store(self) -> ModelStore:
         return ModelStore(self.models_dir, self.read_only_models_dirs)
@@ -110,18 +123,19 @@ def _curl_example(base_url: str, model_id: str) -> str:
 def load_node_id(data_dir: Path) -> NodeId:
     """This node's id: made once, kept in the data dir so a restart is the same node."""
     path = data_dir / "node_id"
-    if path.exists():
-        return NodeId(path.read_text().strip())
+    # An empty file is a write an older exo tore (it now writes atomically).
+    if path.exists() and (kept := path.read_text().strip()):
+        return NodeId(kept)
     data_dir.mkdir(parents=True, exist_ok=True)
     node_id = NodeId(f"node-{uuid.uuid4().hex[:12]}")
-    path.write_text(node_id)
+    atomic_write_bytes(path, node_id.encode())
     return node_id
 
 
 def _open_store(node_id: NodeId, data_dir: Path) -> EventStore:
     try:
         return EventStore(node_id, EventLog.open(data_dir / EVENT_LOG_NAME))
-    except EventLogCorrupted as error:
+    except (EventLogCorrupted, SnapshotCorrupted) as error:
         raise NodeStartupError(f"the event log is damaged: {error}") from error
 
 
@@ -133,6 +147,18 @@ def _advertised_host(host: str) -> str:
     return default_advertised_addresses()[0]
 
 
+def _api_address(config: NodeConfig, advertised: str) -> str | None:
+    """Where other nodes reach this node's API (to relay requests for its models):
+    None when they cannot, an API bound to loopback behind a link that is not."""
+    if not config.api:
+        return None
+    if config.host in ("0.0.0.0", "::", ""):
+        return f"{advertised}:{config.api_port}"
+    if is_loopback_address(config.host) and not is_loopback_address(advertised):
+        return None  # on another machine, this address is that machine
+    return f"{config.host}:{config.api_port}"
+
+
 async def _keep_this_node_in_the_state(
     config: NodeConfig,
     link: ClusterLink,
@@ -140,8 +166,9 @@ async def _keep_this_node_in_the_state(
     stale: frozenset[InstanceId],
     n_layers: int,
 ) -> None:
-    """Report telemetry; ask for an instance of this node's model once joined; and
-    rejoin (asking again) after the master timed this node out."""
+    """Report telemetry (when it changed materially); ask for an instance of this
+    node's model once joined; and rejoin (asking again) after the master timed
+    this node out."""
     telemetry_every = config.timing.node_timeout_seconds / 4
     heartbeat = config.timing.heartbeat_seconds
     wanted = config.model_id if config.worker else None
@@ -151,9 +178,11 @@ async def _keep_this_node_in_the_state(
         now = time.monotonic()
         if now - last_telemetry >= telemetry_every:
             telemetry = await anyio.to_thread.run_sync(
-                read_telemetry, config.models_dir, config.worker
+                read_telemetry, config.models_dir, config.worker, link.store.fault
             )
-            link.publish(NodeTelemetryReported(node_id=link.node_id, telemetry=telemetry))
+            known = link.state.nodes.get(link.node_id)
+            if telemetry_changed(known.telemetry if known else None, telemetry):
+                link.publish(NodeTelemetryReported(node_id=link.node_id, telemetry=telemetry))
             last_telemetry = now
         state = link.state
         if link.master_id is not None and link.node_id not in state.nodes:
@@ -187,22 +216,39 @@ async def _keep_this_node_in_the_state(
 
 
 async def run_node(config: NodeConfig) -> None:
+    try:
+        lock = DataDirLock.acquire(config.data_dir)
+    except DataDirInUse as error:
+        raise NodeStartupError(str(error)) from error
+    with lock:  # held for the node's life: one process owns the data dir
+        await _run_node(config)
+
+
+async def _run_node(config: NodeConfig) -> None:
     sock = _bind(config.host, config.api_port) if config.api else None
     shown_host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
     base_url = f"http://{shown_host}:{config.api_port}"
     node_id = load_node_id(config.data_dir)
     store = _open_store(node_id, config.data_dir)
-    advertised = _advertised_host(config.host)
+    advertised = _advertised_host(config.grpc_host)
     models = config.model_store()
+    master = Master(
+        store,
+        node_timeout_seconds=config.timing.node_timeout_seconds,
+        duty_interval_seconds=config.timing.heartbeat_seconds,
+        heard_ms=lambda: link.membership.heard_ms(),
+    )
     link = ClusterLink(
         store,
-        grpc_host=config.host,
+        master,
+        grpc_host=config.grpc_host,
         grpc_port=config.grpc_port,
         advertised_host=advertised,
         secret=config.cluster_secret,
         static_peers=list(config.peers),
-        force_master=config.force_master,
         timing=config.timing,
+        certificate=NodeCertificate.load_or_create(config.data_dir / "tls"),
+        force_master=config.force_master,
         discovering=config.discovery,
         model_store=models,
     )
@@ -237,18 +283,22 @@ async def run_node(config: NodeConfig) -> None:
             config.data_dir / "cache",
             config.prefix_cache_bytes,
             config.cluster_secret,
+            prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,
             on_ready=announce,
             stale=stale,
+            disk_space=DiskSpace(config.min_free_disk_bytes),
         )
         if config.worker
         else None
     )
     async with anyio.create_task_group() as group:
+        group.start_soon(store.run)  # fsyncs the event log off the event loop
         await group.start(_run_link, link)
+        group.start_soon(master.run)  # its duties, while this node is master
         joined = NodeJoined(
             node_id=node_id,
             grpc_address=link.address,
-            api_address=f"{advertised}:{config.api_port}" if config.api else None,
+            api_address=_api_address(config, advertised),
             started_at_ms=now_ms(),
         )
         link.publish(joined)  # first: events about this node's instances need the node
@@ -260,8 +310,7 @@ async def run_node(config: NodeConfig) -> None:
             discovery = MdnsDiscovery(
                 node_id,
                 config.grpc_port,
-                secret_fingerprint(config.cluster_secret),
-                addresses=None if config.host in ("0.0.0.0", "") else [advertised],
+                addresses=None if config.grpc_host in ("0.0.0.0", "") else [advertised],
             )
             group.start_soon(discovery.run, lambda peer: link.add_peer_address(peer.address))
         group.start_soon(_keep_this_node_in_the_state, config, link, joined, stale, n_layers)
@@ -269,11 +318,20 @@ async def run_node(config: NodeConfig) -> None:
             group.start_soon(worker.run)
         try:
             if sock is not None:
+                access = APIAccess.for_bind(config.host, config.api_key)
+                if access.open_to_the_network:
+                    logger.warning(
+                        f"the API on {config.host}:{config.api_port} is open to anyone on the "
+                        "network: set --api-key, or --host 127.0.0.1 to keep it on this machine"
+                    )
                 app = create_app(
                     worker.served if worker else {},
                     link,
                     config.sse_keepalive_seconds,
                     worker.delete_model_files if worker else None,
+                    config.model_aliases,
+                    limits=config.admission,
+                    access=access,
                 )
                 server = uvicorn.Server(
                     uvicorn.Config(

@@ -98,6 +98,7 @@ def start_node(
     args = [
         sys.executable, "-m", "exo.main",
         "--host", "127.0.0.1",
+        "--grpc-host", "127.0.0.1",
         "--api-port", str(port),
         "--grpc-port", str(grpc_port),
         "--no-discovery",

@@ -33,7 +33,10 @@ def test_a_hub_model_is_previewed_placed_downloaded_and_served(
         monkeypatch.setenv("HF_TOKEN", "hf_test")
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         with running_node(tmp_path, tmp_path / "models", model="none", ready="api") as node:
-            wait_until(lambda: node.get("/state")["nodes"], 20, "telemetry")
+            wait_until(
+                lambda: any(n["telemetry"] for n in node.get("/state")["nodes"].values()),
+                60, "telemetry",
+            )  # fmt: skip
             previews = httpx.get(
                 f"{node.base_url}/instance/previews", params={"model_id": MODEL}, timeout=30
             )

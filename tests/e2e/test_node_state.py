@@ -116,12 +116,13 @@ def test_a_restarted_node_keeps_its_id_and_history(tmp_path: Path, models_dir: P
 def test_placement_previews(node: NodeProcess) -> None:
     node_id = get(node, "/node_id")
     settled_state(node)  # placement needs the node's telemetry
-    previews = get(node, f"/instance/previews?model_id={DEFAULT_MODEL_ID}")
-    assert isinstance(previews, dict)
-    [best, *_] = previews["placements"]
-    [rank] = best["ranks"]
-    assert (rank["node_id"], rank["start_layer"], rank["end_layer"]) == (node_id, 0, 30)
-    assert rank["memory_bytes"] > 500_000_000  # float32 on this CPU backend
+    # The only node serves the model already, and a node holds one instance of a
+    # model: no placement, and the preview says why (as POST /place_instance would).
+    served = httpx.get(
+        f"{node.base_url}/instance/previews", params={"model_id": DEFAULT_MODEL_ID}, timeout=10
+    )
+    assert served.status_code == 400
+    assert f"already has an instance on {node_id}" in served.json()["error"]["message"]
     too_many = httpx.get(
         f"{node.base_url}/instance/previews",
         params={"model_id": DEFAULT_MODEL_ID, "min_nodes": 2},
@@ -140,9 +141,12 @@ def test_the_dashboard_is_served_and_its_endpoints_answer(node: NodeProcess) -> 
     assert page.status_code == 200
     assert page.headers["content-type"].startswith("text/html")
     assert "<title>exo cluster</title>" in page.text
-    # Every read the page makes answers, with the fields the page renders.
-    reads = set(re.findall(r'api\("(/[a-z_]+)"\)', page.text))
-    assert reads == {"/state", "/instances"}
+    # The page's modules are served as JavaScript.
+    module = httpx.get(f"{node.base_url}/dashboard/cluster.js", timeout=10)
+    assert module.headers["content-type"].startswith("text/javascript")
+    # Every read the live view makes answers, with the fields the page renders.
+    reads = set(re.findall(r'api\("(/[a-z_]+)"\)', module.text))
+    assert reads == {"/node_id", "/state", "/instances"}
     state = httpx.get(f"{node.base_url}/state", timeout=10).json()
     assert {"nodes", "master_id", "master_term", "last_idx", "downloads"} <= state.keys()
     [instance] = httpx.get(f"{node.base_url}/instances", timeout=10).json()["data"]
@@ -150,5 +154,6 @@ def test_the_dashboard_is_served_and_its_endpoints_answer(node: NodeProcess) -> 
     assert {"node_id", "start_layer", "end_layer", "runner", "download"} <= instance["ranks"][
         0
     ].keys()
+    models = httpx.get(f"{node.base_url}/dashboard/models.js", timeout=10).text
     for action in ("/instance/previews?", "/place_instance", "/instance/${"):
-        assert action in page.text
+        assert action in models

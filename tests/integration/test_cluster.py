@@ -4,13 +4,16 @@ import signal
 import time
 from pathlib import Path
 
+import anyio
 import grpc
+import grpc.aio
 import openai
 import pytest
 
-from exo.cluster.auth import cluster_channel
+from exo.cluster.auth import LinkError, peer_channel
 from exo.cluster.proto import cluster_pb2 as pb
 from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
+from exo.shared.types.ids import NodeId
 from tests.e2e.node_process import start_node
 from tests.integration.cluster_process import (
     NODE_TIMEOUT,
@@ -87,23 +90,32 @@ def test_a_node_with_the_wrong_secret_never_joins(cluster: Cluster, tmp_path: Pa
         wait_until(lambda: intruder.get("/cluster")["master_id"] == intruder_id, 15, "alone")
         for node in cluster.nodes:
             assert intruder_id not in node.get("/state")["nodes"]
-        assert "rejected our cluster secret" in intruder.log()
-        assert "UNAUTHENTICATED" in cluster.nodes[0].log() or "wrong" in cluster.nodes[0].log()
+        # The intruder found that the nodes cannot prove its secret, and sent
+        # them nothing: they never heard of it.
+        assert "is not of this cluster" in intruder.log()
+        assert intruder.grpc_address not in cluster.nodes[0].log()
     finally:
         intruder.stop()
 
-    async def call(secret: str) -> grpc.StatusCode:
-        async with cluster_channel(cluster.nodes[0].grpc_address, secret) as channel:
+    async def call(secret: str) -> str:
+        try:
+            async with peer_channel(cluster.nodes[0].grpc_address, secret, NodeId("probe")) as ch:
+                await pb_grpc.ClusterStub(ch).Hello(pb.HelloRequest(), timeout=5)
+        except LinkError as error:
+            return "untrusted" if error.untrusted else "unreachable"
+        return "ok"
+
+    async def plaintext() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(cluster.nodes[0].grpc_address) as channel:
             try:
                 await pb_grpc.ClusterStub(channel).Hello(pb.HelloRequest(), timeout=5)
             except grpc.aio.AioRpcError as error:
                 return error.code()
         return grpc.StatusCode.OK
 
-    import anyio
-
-    assert anyio.run(call, "wrong") == grpc.StatusCode.UNAUTHENTICATED
-    assert anyio.run(call, SECRET) == grpc.StatusCode.OK
+    assert anyio.run(call, "wrong") == "untrusted"
+    assert anyio.run(call, SECRET) == "ok"
+    assert anyio.run(plaintext) == grpc.StatusCode.UNAVAILABLE  # TLS only
 
 
 def test_chat_through_another_node_and_timeout_of_a_silent_node(

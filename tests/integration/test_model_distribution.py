@@ -9,8 +9,9 @@ import httpx
 import openai
 import pytest
 
-from exo.models.cards import card_from_folder, shard_files
+from exo.models.cards import card_from_folder
 from exo.models.store import model_dir
+from exo.models.weight_files import shard_files
 from exo.shared.types.ids import ModelId
 from tests.integration.cluster_process import Cluster, agreed, events, wait_until
 from tests.model_factory import make_tiny_llama

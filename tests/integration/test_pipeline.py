@@ -11,12 +11,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from exo.engine.mlx.load import load_model_tokenizer
 from exo.engine.mlx.pipeline import IDLE_SILENCE_SECONDS
-from exo.shared.types.tasks import GenerationParams, Usage
-from exo.worker.runner.protocol import Chunk, FromRunner
+from exo.shared.types.constraints import JsonSchema
+from exo.shared.types.tasks import GenerationParams, SampledLogprob, Usage
+from exo.worker.runner.protocol import Chunk, Finished, FromRunner
+from tests.constraint_examples import PERSON, WEATHER_ARGUMENTS, WEATHER_CALL
 from tests.model_factory import make_tiny_llama
 from tests.pipeline_harness import (
     REPO_ROOT,
@@ -71,17 +74,34 @@ def test_tiny_pipelines_generate_what_one_runner_does(tiny_dir: Path, tmp_path: 
     for ranks in (1, 2, 3):
         with running_pipeline(tiny_dir, tmp_path, even_bounds(TINY_LAYERS, ranks)) as pipeline:
             outputs[ranks] = run_requests(pipeline)
-            assert [s.rank for s in pipeline.shards] == list(range(ranks))
-            assert [s.world_size for s in pipeline.shards] == [ranks] * ranks
-            assert [(s.start_layer, s.end_layer) for s in pipeline.shards] == layer_ranges(
-                TINY_LAYERS, ranks
-            )
         # Stopped through rank 0: every rank reports "stopped" and exits cleanly.
         assert [r.process.returncode for r in pipeline.ranks] == [0] * ranks
         assert [r.statuses[-1].status for r in pipeline.ranks] == ["stopped"] * ranks
     assert outputs[2] == outputs[1]
     assert outputs[3] == outputs[1]
     assert outputs[1][2][1].cached_tokens == 650
+
+
+def test_a_bad_constraint_fails_only_its_task_and_logprobs_cross_the_ring(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    broken = JsonSchema(json_schema={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})
+    with running_pipeline(tiny_dir, tmp_path, even_bounds(TINY_LAYERS, 2)) as pipeline:
+        entry = pipeline.entry
+        entry.submit("broken", LONG_PROMPT[:20], GREEDY.model_copy(update={"constraint": broken}))
+        failed = entry.collect("broken", 30).failed
+        assert failed is not None and failed.error.startswith("invalid constraint:")
+        # Rank 0 refused it before the ring saw it: the next task runs.
+        params = GREEDY.model_copy(update={"logprobs": True, "top_logprobs": 3})
+        entry.submit("after", LONG_PROMPT[:20], params)
+        result = entry.collect("after", 60)
+        assert result.finished is not None, result.failed
+        chunks = [m for m in result.messages if isinstance(m, Chunk)]
+        logprobs = [e for c in chunks if c.logprobs for e in c.logprobs.tokens]
+        assert len(logprobs) == result.finished.usage.completion_tokens == GREEDY.max_tokens
+        assert all(
+            len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in logprobs
+        )
 
 
 def test_cancel_stops_every_rank_and_drops_a_queued_task(tiny_dir: Path, tmp_path: Path) -> None:
@@ -115,9 +135,10 @@ def test_every_rank_keeps_its_cache_entries_intact_and_evicts_with_the_others(
     with running_pipeline(tiny_dir, tmp_path, [0, TINY_LAYERS], prefix_cache_bytes=0) as single:
         cold = [single.entry.generate(f"cold-{i}", p, GREEDY) for i, p in enumerate(prompts)]
 
-    # Rank 0's budget holds one entry of a 700-token prompt (and a smaller one), the
-    # others' everything: rank 0's evictions must happen on every rank.
-    budgets = [700_000, 1 << 30, 1 << 30]
+    # Rank 0's budget (512 bytes a token) holds the 700-token prompt and its reply with
+    # a branch off it, not the unrelated prompt too; the others' holds everything:
+    # rank 0's evictions must happen on every rank.
+    budgets = [450_000, 1 << 30, 1 << 30]
     hostfile = write_hostfile(tmp_path, 3)
     processes = [
         subprocess.Popen(
@@ -156,7 +177,7 @@ def test_every_rank_keeps_its_cache_entries_intact_and_evicts_with_the_others(
     assert [r["usage"]["completion_tokens"] for r in results] == [
         u.completion_tokens for _, u in cold
     ]
-    assert [r["usage"]["cached_tokens"] for r in results] == [0, 650, 650, 0, 650]
+    assert [r["usage"]["cached_tokens"] for r in results] == [0, 650, 699, 0, 0]
     for report in reports:
         assert report["unchanged"] == [True] * len(prompts)
         assert report["entries"] == reports[0]["entries"]  # same entries, task after task
@@ -202,12 +223,9 @@ def chat_tokens(model_dir: Path, *turns: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_smollm_pipelines_generate_what_one_runner_does_on_a_share_of_memory(
-    smollm_dir: Path, tmp_path: Path
-) -> None:
+def test_smollm_pipelines_generate_what_one_runner_does(smollm_dir: Path, tmp_path: Path) -> None:
     question = chat_tokens(smollm_dir, "What is the capital of France?")
     outputs: dict[int, list[tuple[str, Usage]]] = {}
-    shards = {}
     for ranks in (1, 2, 3):
         bounds = even_bounds(SMOLLM_LAYERS, ranks)
         with running_pipeline(smollm_dir, tmp_path, bounds) as pipeline:
@@ -217,17 +235,10 @@ def test_smollm_pipelines_generate_what_one_runner_does_on_a_share_of_memory(
                 smollm_dir, "What is the capital of France?", answer, "And of Italy?"
             )
             outputs[ranks] = [(answer, usage), entry.generate("follow-up", follow_up, GREEDY)]
-            shards[ranks] = pipeline.shards
     assert "Paris" in outputs[1][0][0]
     assert outputs[2] == outputs[1]
     assert outputs[3] == outputs[1]
     assert outputs[3][1][1].cached_tokens >= len(question) - 1
-    # Each of 3 ranks holds a third of the layers (and the embedding, for the ends):
-    # its weights and its peak memory while loading stay within half the whole model's.
-    whole = shards[1][0]
-    for shard in shards[3]:
-        assert shard.weight_bytes <= 0.5 * whole.weight_bytes
-        assert shard.peak_memory_bytes <= 0.5 * whole.peak_memory_bytes
 
 
 @pytest.mark.slow
@@ -253,3 +264,60 @@ def test_a_silent_rank_fails_the_group_within_the_idle_bound(
         finally:
             follower.process.send_signal(signal.SIGCONT)
         assert follower.wait_exit(10) not in (None, 0)
+
+
+@pytest.mark.slow
+def test_constraints_logprobs_and_stop_strings_act_where_the_last_rank_samples(
+    smollm_dir: Path, tmp_path: Path
+) -> None:
+    person = chat_tokens(smollm_dir, "Describe a person as JSON.")
+    weather = chat_tokens(smollm_dir, "What is the weather in Paris?")
+    capital = chat_tokens(smollm_dir, "What is the capital of France?")
+    greedy = GenerationParams(max_tokens=40, temperature=0.0)
+    requests = {
+        "json": (
+            person,
+            greedy.model_copy(
+                update={
+                    "constraint": JsonSchema(json_schema=PERSON),
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                }
+            ),
+        ),
+        "tool": (weather, greedy.model_copy(update={"constraint": WEATHER_CALL})),
+        "stop": (capital, greedy.model_copy(update={"stop": ("Paris",), "logprobs": True})),
+    }
+    replies: dict[int, dict[str, tuple[str, list[SampledLogprob], Finished]]] = {}
+    for ranks in (1, 2):
+        with running_pipeline(smollm_dir, tmp_path, even_bounds(SMOLLM_LAYERS, ranks)) as pipeline:
+            replies[ranks] = {}
+            for task_id, (tokens, params) in requests.items():
+                pipeline.entry.submit(task_id, tokens, params)
+                result = pipeline.entry.collect(task_id, 120)
+                assert result.finished is not None, result.failed
+                chunks = [m for m in result.messages if isinstance(m, Chunk)]
+                logprobs = [e for c in chunks if c.logprobs for e in c.logprobs.tokens]
+                replies[ranks][task_id] = (result.text, logprobs, result.finished)
+    # The same tokens, logprobs and endings (greedy) whether one process samples or the last rank.
+    assert replies[2] == replies[1]
+
+    text, logprobs, finished = replies[2]["json"]
+    jsonschema.validate(json.loads(text), PERSON)
+    assert finished.finish_reason == "stop"
+    assert len(logprobs) == finished.usage.completion_tokens - 1  # the EOS is not reported
+    # Greedy: the drawn token leads its alternatives (the mask's rejects are left out).
+    assert all(1 <= len(entry.top_logprobs) <= 2 for entry in logprobs)
+    assert all(entry.top_logprobs[0].token == entry.token for entry in logprobs)
+
+    text, logprobs, finished = replies[2]["tool"]
+    assert text.startswith(WEATHER_CALL.prefix) and text.endswith(WEATHER_CALL.suffix)
+    call = json.loads(text.removeprefix(WEATHER_CALL.prefix).removesuffix(WEATHER_CALL.suffix))
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["arguments"], WEATHER_ARGUMENTS)
+    assert logprobs == []
+
+    text, logprobs, finished = replies[2]["stop"]
+    assert "Paris" not in text
+    assert (finished.finish_reason, finished.stop_sequence) == ("stop", "Paris")
+    assert len(logprobs) == finished.usage.completion_tokens

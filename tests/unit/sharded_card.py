@@ -8,9 +8,8 @@ config.json, tokenizer.json                      (1 "byte" each for progress)
 
 from typing import Any
 
-from exo.models.cards import ModelCard, Quantization
 from exo.shared.types.ids import ModelId
-from exo.shared.types.model_card import WeightFile
+from exo.shared.types.model_card import ModelCard, Quantization, WeightFile
 
 MB = 10**6
 GB = 10**9

@@ -1,8 +1,11 @@
-"""The cluster secret on a real grpc.aio server: right secret served, others UNAUTHENTICATED and logged."""
+"""The cluster link's authentication on a real grpc.aio TLS server: the
+challenge (server first, bound to its certificate), session tokens, and what
+is refused (UNAUTHENTICATED, logged with a rate limit)."""
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -10,42 +13,59 @@ import pytest
 from loguru import logger
 
 from exo.cluster.auth import (
-    SECRET_METADATA_KEY,
-    ClusterSecretInterceptor,
-    client_interceptors,
-    cluster_channel,
-    cluster_server,
-    secret_fingerprint,
-    secret_metadata,
+    SESSION_METADATA_KEY,
+    SESSION_SECONDS,
+    LinkError,
+    RejectionLog,
+    ServerAuth,
+    SessionInterceptor,
+    connect,
+    peer_channel,
+    proof,
     validate_secret,
 )
 from exo.cluster.proto import cluster_pb2 as pb
 from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
+from exo.cluster.tls import NodeCertificate, fingerprint, peer_certificate, server_credentials
+from exo.shared.types.ids import NodeId
 
 SECRET = "s3cret-of-the-test-cluster"
+ME = NodeId("client-node")
 RPC_TIMEOUT_S = 5.0
 TEST_TIMEOUT_S = 20.0
 
 
 class Servicer(pb_grpc.ClusterServicer):
-    """Hello answers; SubscribeEvents streams 3 envelopes from `from_idx`; calls are counted."""
+    """Challenge and Prove as the link answers them; Hello and SubscribeEvents
+    record the caller; every call is counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth: ServerAuth) -> None:
+        self.auth = auth
         self.calls: list[str] = []
+        self.callers: list[NodeId | None] = []
+
+    async def Challenge(
+        self, request: pb.ChallengeRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.ChallengeReply:
+        self.calls.append("Challenge")
+        return self.auth.challenge(request)
+
+    async def Prove(
+        self, request: pb.ProofRequest, context: grpc.aio.ServicerContext[object, object]
+    ) -> pb.SessionGrant:
+        self.calls.append("Prove")
+        grant = self.auth.prove(request, context.peer())
+        if grant is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong proof")
+            raise AssertionError
+        return grant
 
     async def Hello(
         self, request: pb.HelloRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.HelloReply:
         self.calls.append("Hello")
-        echoed = dict(context.invocation_metadata() or ()).get("x-test", "")
-        return pb.HelloReply(
-            node_id="server",
-            address="127.0.0.1:0",
-            started_at_ms=1,
-            last_applied_idx=request.last_applied_idx,
-            master_id=str(echoed),
-            peers=[pb.Peer(node_id=request.node_id, address=request.address)],
-        )
+        self.callers.append(self.auth.caller_of(context))
+        return pb.HelloReply(node_id="server", last_applied_idx=request.last_applied_idx)
 
     async def SubscribeEvents(
         self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext[object, object]
@@ -56,9 +76,10 @@ class Servicer(pb_grpc.ClusterServicer):
 
 
 @dataclass
-class Cluster:
+class Server:
     address: str
     servicer: Servicer
+    certificate: NodeCertificate
     warnings: list[str]
 
 
@@ -72,253 +93,299 @@ def warnings() -> Iterator[list[str]]:
         logger.remove(sink)
 
 
-async def _start(secret: str, warnings: list[str]) -> AsyncIterator[Cluster]:
-    servicer = Servicer()
-    # every rejection logged (no rate limit), so the tests can count them
-    interceptor = ClusterSecretInterceptor(secret, log_interval_s=0.0)
-    server = grpc.aio.server(interceptors=[interceptor])
+async def _serve(secret: str, directory: Path, warnings: list[str]) -> AsyncIterator[Server]:
+    certificate = NodeCertificate.load_or_create(directory)
+    # every refusal logged (no rate limit), so the tests can count them
+    auth = ServerAuth(secret, certificate.fingerprint, RejectionLog(log_interval_s=0.0))
+    servicer = Servicer(auth)
+    server = grpc.aio.server(interceptors=[SessionInterceptor(auth)])
     pb_grpc.add_ClusterServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(certificate))
     await server.start()
     try:
-        yield Cluster(f"127.0.0.1:{port}", servicer, warnings)
+        yield Server(f"127.0.0.1:{port}", servicer, certificate, warnings)
     finally:
         await server.stop(grace=None)
 
 
 @pytest.fixture
-async def cluster(warnings: list[str]) -> AsyncIterator[Cluster]:
-    async for c in _start(SECRET, warnings):
-        yield c
+async def server(tmp_path: Path, warnings: list[str]) -> AsyncIterator[Server]:
+    async for s in _serve(SECRET, tmp_path / "server", warnings):
+        yield s
 
 
 @pytest.fixture
-async def open_cluster(warnings: list[str]) -> AsyncIterator[Cluster]:
-    """A cluster started without --cluster-secret: the empty secret."""
-    async for c in _start("", warnings):
-        yield c
+async def open_server(tmp_path: Path, warnings: list[str]) -> AsyncIterator[Server]:
+    """A node started without --cluster-secret: the empty secret."""
+    async for s in _serve("", tmp_path / "open", warnings):
+        yield s
 
 
 async def _hello(channel: grpc.aio.Channel, **kwargs: object) -> pb.HelloReply:
-    stub = pb_grpc.ClusterStub(channel)
-    request = pb.HelloRequest(node_id="client", address="127.0.0.1:1", last_applied_idx=7)
-    return await stub.Hello(request, timeout=RPC_TIMEOUT_S, **kwargs)
+    request = pb.HelloRequest(node_id="client", last_applied_idx=7)
+    return await pb_grpc.ClusterStub(channel).Hello(request, timeout=RPC_TIMEOUT_S, **kwargs)
 
 
-async def _subscribe(
-    channel: grpc.aio.Channel, from_idx: int = 10
-) -> list[pb.IndexedEventEnvelope]:
-    stub = pb_grpc.ClusterStub(channel)
-    call = stub.SubscribeEvents(pb.SubscribeRequest(from_idx=from_idx), timeout=RPC_TIMEOUT_S)
-    return [envelope async for envelope in call]
+async def _subscribe(channel: grpc.aio.Channel, **kwargs: object) -> list[int]:
+    call = pb_grpc.ClusterStub(channel).SubscribeEvents(
+        pb.SubscribeRequest(from_idx=10), timeout=RPC_TIMEOUT_S, **kwargs
+    )
+    return [envelope.idx async for envelope in call]
 
 
-async def _collect(call: AsyncIterable[object]) -> list[object]:
-    return [item async for item in call]
-
-
-async def _idle_requests() -> AsyncIterator[bytes]:
-    await asyncio.sleep(TEST_TIMEOUT_S)
-    yield b"too late"
-
-
-async def _assert_unauthenticated(call: Awaitable[object], details_part: str) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as raised:
+async def _code(call: object) -> grpc.StatusCode:
+    try:
         async with asyncio.timeout(TEST_TIMEOUT_S):
-            await call
-    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert details_part in (raised.value.details() or "")
+            await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
 
 
-async def test_right_secret_is_served_unary_and_streaming(cluster: Cluster) -> None:
-    async with asyncio.timeout(TEST_TIMEOUT_S), cluster_channel(cluster.address, SECRET) as channel:
-        reply = await _hello(channel)
-        assert reply.node_id == "server"
-        assert reply.last_applied_idx == 7
-        assert [(p.node_id, p.address) for p in reply.peers] == [("client", "127.0.0.1:1")]
-
-        envelopes = await _subscribe(channel, from_idx=10)
-        assert [e.idx for e in envelopes] == [10, 11, 12]
-        assert [e.payload for e in envelopes] == [b'{"n":10}', b'{"n":11}', b'{"n":12}']
-    assert cluster.servicer.calls == ["Hello", "SubscribeEvents"]
-    assert cluster.warnings == []
+def _pinned_channel(server: Server) -> grpc.aio.Channel:
+    """A TLS channel to the server without a session (what a stranger can open)."""
+    return grpc.aio.secure_channel(
+        server.address,
+        grpc.ssl_channel_credentials(root_certificates=server.certificate.certificate_pem),
+        options=[("grpc.ssl_target_name_override", "exo-node")],
+    )
 
 
-@pytest.mark.parametrize("client_secret", [None, "not-the-secret", "", SECRET + " ", SECRET[:-1]])
-async def test_missing_or_wrong_secret_is_rejected_and_logged(
-    cluster: Cluster, client_secret: str | None
+async def test_the_right_secret_gets_a_session_for_unary_and_streaming_calls(
+    server: Server,
 ) -> None:
-    if client_secret is None:
-        channel = grpc.aio.insecure_channel(cluster.address)
-        reason = "missing"
-    else:
-        channel = cluster_channel(cluster.address, client_secret)
-        reason = "wrong"
-    async with channel:
-        await _assert_unauthenticated(_hello(channel), f"{reason} cluster secret")
-        await _assert_unauthenticated(_subscribe(channel), f"{reason} cluster secret")
+    async with asyncio.timeout(TEST_TIMEOUT_S), peer_channel(server.address, SECRET, ME) as channel:
+        assert (await _hello(channel)).last_applied_idx == 7
+        assert await _subscribe(channel) == [10, 11, 12]
+    assert server.servicer.calls == ["Challenge", "Prove", "Hello", "SubscribeEvents"]
+    assert server.servicer.callers == [ME]  # the session speaks for the node that proved
+    assert server.warnings == []
 
-    # The handlers never ran, and each rejection was logged with peer and method.
-    assert cluster.servicer.calls == []
-    assert len(cluster.warnings) == 2, cluster.warnings
-    hello_log, subscribe_log = cluster.warnings
-    for log, method in ((hello_log, "Hello"), (subscribe_log, "SubscribeEvents")):
+
+@pytest.mark.parametrize("client_secret", ["not-the-secret", "", SECRET + " ", SECRET[:-1]])
+async def test_a_server_that_cannot_prove_the_secret_gets_no_proof(
+    server: Server, client_secret: str
+) -> None:
+    with pytest.raises(LinkError) as raised:
+        async with asyncio.timeout(TEST_TIMEOUT_S):
+            await connect(server.address, client_secret, ME)
+    assert raised.value.untrusted
+    assert "did not prove our cluster secret" in str(raised.value)
+    # The client checked the server's proof first and sent none of its own.
+    assert server.servicer.calls == ["Challenge"]
+
+
+async def test_a_wrong_proof_is_refused_and_logged(server: Server) -> None:
+    async with _pinned_channel(server) as channel:
+        stub = pb_grpc.ClusterStub(channel)
+        nonce = b"n" * 32
+        challenge = await stub.Challenge(pb.ChallengeRequest(client_nonce=nonce))
+        wrong = proof(
+            "guess", "exo-client", nonce, challenge.server_nonce, server.certificate.fingerprint, ME
+        )
+        request = pb.ProofRequest(
+            client_nonce=nonce, server_nonce=challenge.server_nonce, client_proof=wrong, node_id=ME
+        )
+        assert await _code(stub.Prove(request)) == grpc.StatusCode.UNAUTHENTICATED
+    assert len(server.warnings) == 1
+    assert "wrong cluster secret" in server.warnings[0] and "127.0.0.1" in server.warnings[0]
+    assert "guess" not in server.warnings[0]
+
+
+async def test_a_proof_works_once_for_its_certificate_and_node_only(
+    server: Server, tmp_path: Path
+) -> None:
+    other_certificate = NodeCertificate.load_or_create(tmp_path / "relay")
+    async with _pinned_channel(server) as channel:
+        stub = pb_grpc.ClusterStub(channel)
+        nonce = b"c" * 32
+
+        async def prove(
+            certificate_fingerprint: bytes, node_id: str, claimed: str | None = None
+        ) -> grpc.StatusCode:
+            challenge = await stub.Challenge(pb.ChallengeRequest(client_nonce=nonce))
+            client_proof = proof(
+                SECRET,
+                "exo-client",
+                nonce,
+                challenge.server_nonce,
+                certificate_fingerprint,
+                node_id,
+            )
+            request = pb.ProofRequest(
+                client_nonce=nonce,
+                server_nonce=challenge.server_nonce,
+                client_proof=client_proof,
+                node_id=node_id if claimed is None else claimed,
+            )
+            code = await _code(stub.Prove(request))
+            # the same proof again: its challenge is used up
+            assert await _code(stub.Prove(request)) == grpc.StatusCode.UNAUTHENTICATED
+            return code
+
+        assert await prove(server.certificate.fingerprint, ME) == grpc.StatusCode.OK
+        # made for another certificate (a relay in the middle): useless here
+        assert await prove(other_certificate.fingerprint, ME) == grpc.StatusCode.UNAUTHENTICATED
+        # made for one node, claimed for another
+        assert (
+            await prove(server.certificate.fingerprint, ME, claimed="other-node")
+            == grpc.StatusCode.UNAUTHENTICATED
+        )
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        (),
+        ((SESSION_METADATA_KEY, "garbage"),),
+        ((SESSION_METADATA_KEY, "1.00.00.00"),),  # expired long ago
+        ((SESSION_METADATA_KEY, "99999999999999.00.00.00"),),  # far future, not signed
+    ],
+)
+async def test_calls_without_a_valid_session_are_refused_and_logged(
+    server: Server, metadata: tuple[tuple[str, str], ...]
+) -> None:
+    async with _pinned_channel(server) as channel:
+        assert await _code(_hello(channel, metadata=metadata)) == grpc.StatusCode.UNAUTHENTICATED
+        assert (
+            await _code(_subscribe(channel, metadata=metadata)) == grpc.StatusCode.UNAUTHENTICATED
+        )
+        unknown = channel.unary_unary("/exo.cluster.Cluster/NoSuchMethod")
+        assert (
+            await _code(unknown(b"", timeout=RPC_TIMEOUT_S, metadata=metadata))
+            == grpc.StatusCode.UNAUTHENTICATED  # no UNIMPLEMENTED probing
+        )
+    assert server.servicer.calls == []  # the handlers never ran
+    assert len(server.warnings) == 3, server.warnings
+    for log, method in zip(
+        server.warnings, ("Hello", "SubscribeEvents", "NoSuchMethod"), strict=True
+    ):
         assert f"/exo.cluster.Cluster/{method}" in log
         assert "127.0.0.1" in log
-        assert f"{reason} cluster secret" in log
-        assert f"ours: {secret_fingerprint(SECRET)}" in log
-        if client_secret is not None:
-            assert f"theirs: {secret_fingerprint(client_secret)}" in log
-        if client_secret:
-            assert client_secret not in log  # a presented secret itself is never logged
+        assert "session token" in log
 
 
-async def test_unknown_method_is_rejected_as_unauthenticated(cluster: Cluster) -> None:
-    async with grpc.aio.insecure_channel(cluster.address) as channel:
-        call = channel.unary_unary("/exo.cluster.Cluster/NoSuchMethod")
-        await _assert_unauthenticated(call(b"", timeout=RPC_TIMEOUT_S), "missing cluster secret")
-        # with the secret, the same call is an ordinary UNIMPLEMENTED
-        with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await call(b"", timeout=RPC_TIMEOUT_S, metadata=secret_metadata(SECRET))
-        assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert len(cluster.warnings) == 1
-    assert "/exo.cluster.Cluster/NoSuchMethod" in cluster.warnings[0]
+async def test_a_token_is_valid_on_the_server_that_issued_it_only(
+    server: Server, tmp_path: Path, warnings: list[str]
+) -> None:
+    token = _grant(server.servicer.auth, server.certificate.fingerprint)
+    metadata = ((SESSION_METADATA_KEY, token),)
+    async with _pinned_channel(server) as channel:
+        assert await _code(_hello(channel, metadata=metadata)) == grpc.StatusCode.OK
+    # Another node of the same cluster (its own certificate) refuses it.
+    async for second in _serve(SECRET, tmp_path / "second", warnings):
+        async with _pinned_channel(second) as channel:
+            assert (
+                await _code(_hello(channel, metadata=metadata)) == grpc.StatusCode.UNAUTHENTICATED
+            )
 
 
-async def test_explicit_metadata_and_interceptor_precedence(cluster: Cluster) -> None:
+async def test_plaintext_calls_do_not_reach_the_server(server: Server) -> None:
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        assert await _code(_hello(channel)) == grpc.StatusCode.UNAVAILABLE
+    assert server.servicer.calls == []
+
+
+async def test_the_empty_secret_is_a_secret_of_its_own(open_server: Server) -> None:
     async with asyncio.timeout(TEST_TIMEOUT_S):
-        async with grpc.aio.insecure_channel(cluster.address) as plain:
-            # explicit call metadata works without interceptors
-            reply = await _hello(plain, metadata=(*secret_metadata(SECRET), ("x-test", "kept")))
-            assert reply.master_id == "kept"
-            # two values for the key, even if one is right, are rejected
-            both = ((SECRET_METADATA_KEY, SECRET), (SECRET_METADATA_KEY, "wrong"))
-            await _assert_unauthenticated(_hello(plain, metadata=both), "wrong cluster secret")
-
-        async with grpc.aio.insecure_channel(
-            cluster.address, interceptors=client_interceptors(SECRET)
-        ) as channel:
-            # the channel's secret replaces a stale one from the caller; other metadata stays
-            metadata = (*secret_metadata("stale"), ("x-test", "kept"))
-            reply = await _hello(channel, metadata=metadata)
-            assert reply.master_id == "kept"
-    assert cluster.servicer.calls == ["Hello", "Hello"]
-
-
-async def test_empty_secret_is_a_secret_of_its_own(open_cluster: Cluster) -> None:
-    async with asyncio.timeout(TEST_TIMEOUT_S):
-        async with cluster_channel(open_cluster.address, "") as channel:
+        async with peer_channel(open_server.address, "", ME) as channel:
             assert (await _hello(channel)).node_id == "server"
-            assert [e.idx for e in await _subscribe(channel, from_idx=0)] == [0, 1, 2]
-        async with grpc.aio.insecure_channel(open_cluster.address) as channel:
-            await _assert_unauthenticated(_hello(channel), "missing cluster secret")
-            await _assert_unauthenticated(_subscribe(channel), "missing cluster secret")
-        async with cluster_channel(open_cluster.address, SECRET) as channel:
-            await _assert_unauthenticated(_hello(channel), "wrong cluster secret")
-    assert len(open_cluster.warnings) == 3
+        with pytest.raises(LinkError):
+            await connect(open_server.address, SECRET, ME)
 
 
-async def test_cluster_server_helper(warnings: list[str]) -> None:
-    server = cluster_server(SECRET)
-    servicer = Servicer()
-    pb_grpc.add_ClusterServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with asyncio.timeout(TEST_TIMEOUT_S):
-            async with cluster_channel(f"127.0.0.1:{port}", SECRET) as channel:
-                assert (await _hello(channel)).node_id == "server"
-            async with cluster_channel(f"127.0.0.1:{port}", "other") as channel:
-                await _assert_unauthenticated(_hello(channel), "wrong cluster secret")
-    finally:
-        await server.stop(grace=None)
-    assert servicer.calls == ["Hello"]
-    assert len(warnings) == 1
+async def test_nothing_listening_is_a_refused_link_error(tmp_path: Path) -> None:
+    with pytest.raises(LinkError) as raised:
+        await connect("127.0.0.1:1", SECRET, ME)
+    assert raised.value.refused and not raised.value.untrusted
 
 
-async def test_client_streaming_shapes(warnings: list[str]) -> None:
-    """Stream-unary and stream-stream calls (none in the proto yet) are guarded the same way."""
+def test_the_certificate_is_kept_and_read_back(tmp_path: Path) -> None:
+    first = NodeCertificate.load_or_create(tmp_path)
+    assert NodeCertificate.load_or_create(tmp_path) == first
+    assert (tmp_path / "key.pem").stat().st_mode & 0o077 == 0  # the key is private
+    other = NodeCertificate.load_or_create(tmp_path / "other")
+    assert other.fingerprint != first.fingerprint
+    assert len(first.fingerprint) == 32
 
-    async def sum_lengths(requests: AsyncIterator[bytes], _context: object) -> bytes:
-        return str(sum([len(r) async for r in requests])).encode()
 
-    async def upper(requests: AsyncIterator[bytes], _context: object) -> AsyncIterator[bytes]:
-        async for r in requests:
-            yield r.upper()
+async def test_the_peer_certificate_is_the_one_the_server_presents(server: Server) -> None:
+    pem = await asyncio.to_thread(peer_certificate, server.address, RPC_TIMEOUT_S)
+    assert fingerprint(pem) == server.certificate.fingerprint
 
-    server = cluster_server(SECRET)
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                "test.Streams",
-                {
-                    "Total": grpc.stream_unary_rpc_method_handler(sum_lengths),
-                    "Echo": grpc.stream_stream_rpc_method_handler(upper),
-                },
-            ),
-        )
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _grant(auth: ServerAuth, fp: bytes, node_id: str = ME) -> str:
+    challenge = auth.challenge(pb.ChallengeRequest(client_nonce=b"c"))
+    grant = auth.prove(
+        pb.ProofRequest(
+            client_nonce=b"c",
+            server_nonce=challenge.server_nonce,
+            client_proof=proof(SECRET, "exo-client", b"c", challenge.server_nonce, fp, node_id),
+            node_id=node_id,
+        ),
+        "peer",
     )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with asyncio.timeout(TEST_TIMEOUT_S):
-            for secret, ok in ((SECRET, True), ("other", False)):
-                async with cluster_channel(f"127.0.0.1:{port}", secret) as channel:
-                    total = channel.stream_unary("/test.Streams/Total")
-                    echo = channel.stream_stream("/test.Streams/Echo")
-                    requests = [b"a", b"bc"]
-                    if ok:
-                        assert await total(iter(requests), timeout=RPC_TIMEOUT_S) == b"3"
-                        echoed = await _collect(echo(iter(requests), timeout=RPC_TIMEOUT_S))
-                        assert echoed == [b"A", b"BC"]
-                    else:
-                        # Requests that never come: a grpc.aio client still writing requests
-                        # when the server ends the call may report INTERNAL instead of the
-                        # server's status (a client race, with or without this interceptor).
-                        total_call = total(_idle_requests(), timeout=RPC_TIMEOUT_S)
-                        await _assert_unauthenticated(total_call, "wrong cluster secret")
-                        echo_call = echo(_idle_requests(), timeout=RPC_TIMEOUT_S)
-                        await _assert_unauthenticated(_collect(echo_call), "wrong cluster secret")
-    finally:
-        await server.stop(grace=None)
+    assert grant is not None
+    return grant.token
+
+
+def test_tokens_name_their_node_and_expire() -> None:
+    clock = Clock()
+    fp = b"f" * 32
+    auth = ServerAuth(SECRET, fp, clock=clock)
+    token = _grant(auth, fp)
+    assert auth.caller(token) == ME
+    expires, nonce, node, mac = token.split(".")
+    assert bytes.fromhex(node).decode() == ME
+    forged = ".".join((expires, nonce, b"other".hex(), mac))
+    assert auth.caller(forged) is None  # another node's name: the MAC no longer fits
+    assert ServerAuth("other secret", fp, clock=clock).caller(token) is None
+    assert ServerAuth(SECRET, b"g" * 32, clock=clock).caller(token) is None
+    clock.now += SESSION_SECONDS - 1
+    assert auth.caller(token) == ME
+    clock.now += 2
+    assert auth.caller(token) is None
+
+
+def test_a_challenge_expires() -> None:
+    clock = Clock()
+    fp = b"f" * 32
+    auth = ServerAuth(SECRET, fp, clock=clock)
+    challenge = auth.challenge(pb.ChallengeRequest(client_nonce=b"c"))
+    clock.now += 60
+    request = pb.ProofRequest(
+        client_nonce=b"c",
+        server_nonce=challenge.server_nonce,
+        client_proof=proof(SECRET, "exo-client", b"c", challenge.server_nonce, fp, ME),
+        node_id=ME,
+    )
+    assert auth.prove(request, "peer") is None
+
+
+def test_repeated_refusals_are_logged_with_a_count(warnings: list[str]) -> None:
+    clock = Clock()
+    log = RejectionLog(log_interval_s=10.0, clock=clock)
+    for _ in range(4):
+        log.warn("ipv4:1.2.3.4:5", "/exo.cluster.Cluster/Hello", "no session token")
+    assert len(warnings) == 1
+    clock.now += 11
+    log.warn("ipv4:1.2.3.4:5", "/exo.cluster.Cluster/Hello", "no session token")
     assert len(warnings) == 2
-    assert "/test.Streams/Total" in warnings[0]
-    assert "/test.Streams/Echo" in warnings[1]
+    assert "3 similar calls refused without logging" in warnings[1]
 
 
-async def test_repeated_rejections_are_logged_with_a_count(warnings: list[str]) -> None:
-    now = [0.0]
-    servicer = Servicer()
-    interceptor = ClusterSecretInterceptor(SECRET, log_interval_s=10.0, clock=lambda: now[0])
-    server = grpc.aio.server(interceptors=[interceptor])
-    pb_grpc.add_ClusterServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with cluster_channel(f"127.0.0.1:{port}", "wrong") as channel:
-            for _ in range(4):
-                await _assert_unauthenticated(_hello(channel), "wrong cluster secret")
-            assert len(warnings) == 1
-            now[0] = 11.0
-            await _assert_unauthenticated(_hello(channel), "wrong cluster secret")
-    finally:
-        await server.stop(grace=None)
-    assert len(warnings) == 2
-    assert "3 similar calls rejected without logging" in warnings[1]
-    assert servicer.calls == []
-
-
-def test_secret_helpers() -> None:
-    assert secret_fingerprint("") != secret_fingerprint("a")
-    assert secret_fingerprint(SECRET) == secret_fingerprint(SECRET)
-    assert len(secret_fingerprint(SECRET)) == 12
-    assert SECRET not in secret_fingerprint(SECRET)
-    assert secret_metadata("") == ((SECRET_METADATA_KEY, ""),)
+def test_validate_secret() -> None:
     assert validate_secret(" spaces ~ ok ") == " spaces ~ ok "
     for bad in ("caf\u00e9", "tab\there", "new\nline"):
         with pytest.raises(ValueError, match="printable ASCII"):
             validate_secret(bad)
         with pytest.raises(ValueError):
-            ClusterSecretInterceptor(bad)
-        with pytest.raises(ValueError):
-            client_interceptors(bad)
+            ServerAuth(bad, b"f" * 32)

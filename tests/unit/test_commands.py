@@ -4,11 +4,17 @@ import re
 
 import pytest
 
-from exo.master.commands import RING_BASE_PORT, RING_PORT_SPAN, CommandRejected, decide
+from exo.master.commands import RING_BASE_PORT, RING_PORT_SPAN, decide
 from exo.master.placement import PlacementError, PlacementRequest, place
-from exo.shared.types.commands import Command, CreateInstance, DeleteInstance, PlaceInstance
+from exo.shared.types.commands import (
+    Command,
+    CommandRejected,
+    CreateInstance,
+    DeleteInstance,
+    PlaceInstance,
+)
 from exo.shared.types.downloads import DownloadProgress
-from exo.shared.types.events import InstanceCreated, InstanceDeleted
+from exo.shared.types.events import InstanceCreated, InstanceDeleted, ModelCardPublished
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.state import Instance, InstanceRank, NodeInfo, NodeTelemetry, State
 from tests.unit.sharded_card import GB, SIZES, sharded_card
@@ -312,3 +318,43 @@ def test_ring_ports_move_with_the_log_index() -> None:
     [event] = decide(wrapped, create(OTHER, rank(E, 0, 2), rank(V6, 2, 4)))
     assert isinstance(event, InstanceCreated)
     assert event.instance.ring_hosts[0] == f"10.0.0.3:{RING_BASE_PORT}"
+
+
+# --- cards carried by commands -------------------------------------------------------
+
+
+def test_a_placement_of_a_model_without_a_card_publishes_the_commands_card_first() -> None:
+    card = sharded_card(NO_CARD)
+    command = PlaceInstance(instance_id=InstanceId("p"), model_id=NO_CARD, max_nodes=1, card=card)
+    card_event, created = decide(CLUSTER.model_copy(update={"cards": {}}), command)
+    assert card_event == ModelCardPublished(card=card)
+    assert isinstance(created, InstanceCreated)
+    assert created.instance.ranks == (rank(Y, 0, 4),)
+
+
+def test_the_states_card_wins_over_the_commands() -> None:
+    """A node that has the model measured it: a hub estimate neither replaces
+    nor overrides it (here it would claim 8 layers)."""
+    estimate = sharded_card(M, n_layers=8)
+    [event] = decide(STATE, create(M, rank(B, 0, 4)).model_copy(update={"card": estimate}))
+    assert isinstance(event, InstanceCreated)
+    with pytest.raises(CommandRejected, match="org/m has 4 layers, the ranks cover 8"):
+        decide(STATE, create(M, rank(B, 0, 8)).model_copy(update={"card": estimate}))
+
+
+def test_a_created_instance_is_checked_against_the_commands_card() -> None:
+    card = sharded_card(NO_CARD)
+    command = create(NO_CARD, rank(B, 0, 3)).model_copy(update={"card": card})
+    with pytest.raises(CommandRejected, match="org/no-card has 4 layers, the ranks cover 3"):
+        decide(STATE, command)
+    card_event, created = decide(
+        STATE, create(NO_CARD, rank(B, 0, 4)).model_copy(update={"card": card})
+    )
+    assert card_event == ModelCardPublished(card=card)
+    assert isinstance(created, InstanceCreated)
+
+
+def test_a_card_of_another_model_is_rejected() -> None:
+    command = create(M, rank(B, 0, 4)).model_copy(update={"card": sharded_card(OTHER)})
+    with pytest.raises(CommandRejected, match="the card sent describes org/other, not org/m"):
+        decide(STATE, command)

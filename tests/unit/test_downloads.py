@@ -3,32 +3,35 @@ sources: shard file sets, resume, verification, errors, progress, disk space."""
 
 import hashlib
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 
-from exo.master.placement import human_bytes
-from exo.models.cards import ModelCard, card_from_folder, shard_files
-from exo.shared.types.downloads import DownloadProgress
-from exo.shared.types.ids import ModelId
-from exo.worker.downloads.hub import HubSource
-from exo.worker.downloads.source import (
+from exo.models.cards import card_from_folder
+from exo.models.file_source import (
     DownloadError,
     FileSource,
     RemoteFile,
     SourceUnavailable,
 )
+from exo.models.weight_files import shard_files
+from exo.shared.types.downloads import DownloadProgress
+from exo.shared.types.ids import ModelId
+from exo.shared.types.model_card import ModelCard
+from exo.shared.units import human_bytes
+from exo.worker.downloads.disk_space import DiskSpace, Usage, default_floor
+from exo.worker.downloads.hub import HubSource
 from exo.worker.downloads.transfer import (
     ALREADY_HERE,
     ATTEMPTS,
     download_files,
     fetch_file,
-    free_disk_bytes,
 )
 from tests.hub_server import FakeHub, git_sha1
 from tests.model_factory import make_tiny_llama
+from tests.unit.small_tmpfs import resize, small_tmpfs
 
 MODEL = ModelId("test-org/tiny-llama")
 # Holds the norm and the untied lm_head: 6 MB.
@@ -86,7 +89,7 @@ async def download(
     model_id: ModelId = MODEL,
     throttle_seconds: float = 0.0,
     attempts: int = ATTEMPTS,
-    disk_free: Callable[[Path], int] = free_disk_bytes,
+    disk: DiskSpace | None = None,
 ) -> list[DownloadProgress]:
     """Every progress report of one `download_files` call (unthrottled by default)."""
     reports: list[DownloadProgress] = []
@@ -97,7 +100,7 @@ async def download(
         dest,
         reports.append,
         throttle_seconds,
-        disk_free=disk_free,
+        disk=disk,
         attempts=attempts,
         retry_delay=FAST_RETRY,
     )
@@ -423,15 +426,102 @@ async def test_too_little_disk_space_is_refused_up_front(
     partial = 100_000
     (tmp_path / f"{LAST_WEIGHTS}.partial").write_bytes((repo / LAST_WEIGHTS).read_bytes()[:partial])
     needed = total - partial
+    floor = 1000
     with pytest.raises(DownloadError) as refused:
-        await download([HubSource(hub.url)], tmp_path, wanted, disk_free=lambda _: needed - 1)
+        await download([HubSource(hub.url)], tmp_path, wanted, disk=disk_with(needed + floor - 1))
     assert str(refused.value) == (
-        f"needs {human_bytes(needed)} more, {human_bytes(needed - 1)} free in {tmp_path}"
+        f"needs {human_bytes(needed)} more, {human_bytes(needed + floor - 1)} free in "
+        f"{tmp_path} of which {human_bytes(floor)} stays free"
     )
     assert hub.requests == []
-    # Exactly enough (the partial's bytes are already on disk) is enough.
-    await download([HubSource(hub.url)], tmp_path, wanted, disk_free=lambda _: needed)
+    # Exactly enough above the floor (the partial's bytes are already on disk) is enough.
+    await download([HubSource(hub.url)], tmp_path, wanted, disk=disk_with(needed + floor))
     assert files_in(tmp_path) == wanted
+
+
+def disk_with(free: int, floor: int = 1000) -> DiskSpace:
+    return DiskSpace(min_free_bytes=floor, usage=lambda _: Usage(total=100 * free, free=free))
+
+
+@pytest.mark.parametrize(
+    ("total", "floor"),
+    [(10 << 30, 1 << 30), (20 << 30, 1 << 30), (100 << 30, 5 << 30), (1 << 40, (1 << 40) // 20)],
+)
+def test_the_default_floor_is_1_gib_or_5_percent_of_the_disk(total: int, floor: int) -> None:
+    assert default_floor(total) == floor
+    assert DiskSpace().floor(total) == floor
+    assert DiskSpace(min_free_bytes=7).floor(total) == 7
+
+
+def test_downloads_that_fit_alone_but_not_together_are_refused_the_second(
+    tmp_path: Path,
+) -> None:
+    disk = disk_with(free=10_000, floor=1_000)  # 9,000 bytes to share
+    with disk.reserve(tmp_path, 6_000) as first:
+        with pytest.raises(DownloadError) as refused, disk.reserve(tmp_path, 6_000):
+            pass
+        assert str(refused.value) == (
+            f"needs 6.0 KB more, 10.0 KB free in {tmp_path} of which 1.0 KB stays free, "
+            "6.0 KB reserved by other downloads"
+        )
+        # Bytes that landed leave the free space and the reservation alike:
+        # the test's disk does not shrink, so the second fits once 3,000 landed.
+        first.consume(3_000)
+        with disk.reserve(tmp_path, 6_000) as second:
+            assert second.remaining == 6_000
+    # Both ended: the whole 9,000 is there again; nothing needed always fits.
+    with disk.reserve(tmp_path, 9_000), disk.reserve(tmp_path, 0):
+        pass
+
+
+async def test_two_concurrent_downloads_share_the_space(
+    tmp_path: Path, repo: Path, card: ModelCard, hub: FakeHub
+) -> None:
+    """The second of two concurrent downloads that only fit one at a time is
+    refused with the reason; the first completes."""
+    wanted = shard_files(card, 0, 4)
+    total = sum((repo / name).stat().st_size for name in wanted)
+    disk = disk_with(free=total + total // 2, floor=0)
+    errors: list[str] = []
+
+    async def second() -> None:
+        await anyio.sleep(0.01)  # the first has reserved by now
+        try:
+            await download([HubSource(hub.url)], tmp_path / "b", wanted, disk=disk)
+        except DownloadError as error:
+            errors.append(str(error))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(second)
+        await download([HubSource(hub.url)], tmp_path / "a", wanted, disk=disk)
+    assert files_in(tmp_path / "a") == wanted
+    [error] = errors
+    assert "reserved by other downloads" in error
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    with small_tmpfs(tmp_path / "small", "2m") as mount_point:
+        yield mount_point
+
+
+async def test_a_disk_that_fills_during_a_download_fails_it_clearly_and_it_resumes(
+    small_disk: Path, repo: Path, hub: FakeHub
+) -> None:
+    """The space check passes (another process fills the disk meanwhile, here
+    simulated by a check that sees plenty): the write hits ENOSPC, the download
+    fails with a clear reason, the partial is kept, and once there is space
+    again the download resumes and completes."""
+    plenty = DiskSpace(min_free_bytes=0, usage=lambda _: Usage(total=1 << 40, free=1 << 40))
+    with pytest.raises(DownloadError, match="the disk is full: cannot write " + LAST_WEIGHTS):
+        await download([HubSource(hub.url)], small_disk, {LAST_WEIGHTS}, disk=plenty)
+    partial = small_disk / f"{LAST_WEIGHTS}.partial"
+    assert 0 < partial.stat().st_size < (repo / LAST_WEIGHTS).stat().st_size
+    resize(small_disk, "64m")
+    requests_before = len(hub.requests)
+    await download([HubSource(hub.url)], small_disk, {LAST_WEIGHTS}, disk=plenty)
+    assert (small_disk / LAST_WEIGHTS).read_bytes() == (repo / LAST_WEIGHTS).read_bytes()
+    assert len(hub.requests) > requests_before
 
 
 # --- sources in order ------------------------------------------------------------

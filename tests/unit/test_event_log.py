@@ -1,5 +1,7 @@
 """EventLog: append/replay round trips, torn tails dropped, mid-file corruption refused."""
 
+import errno
+import os
 import random
 import struct
 import time
@@ -10,9 +12,16 @@ from pathlib import Path
 import pytest
 from loguru import logger
 
-from exo.master.event_log import EventLog, EventLogCorrupted
+from exo.shared.event_log import EventLog, EventLogCorrupted, LogCompacted
+from tests.unit.small_tmpfs import fill, small_tmpfs
 
 HEADER_SIZE = 10
+FILE_HEADER_SIZE = 16
+
+
+def file_header(base_idx: int) -> bytes:
+    """The documented file header of a log whose first record is `base_idx`."""
+    return b"EXOLOG" + struct.pack("<HQ", 2, base_idx)
 
 
 def record_bytes(payload: bytes) -> bytes:
@@ -33,7 +42,7 @@ def write_records(path: Path, records: list[bytes]) -> list[int]:
     """Write `records` through EventLog; return each record's start offset plus the end."""
     with EventLog.open(path) as log:
         log.append(records)
-    starts = [0]
+    starts = [FILE_HEADER_SIZE]
     for payload in records:
         starts.append(starts[-1] + HEADER_SIZE + len(payload))
     assert path.stat().st_size == starts[-1]
@@ -52,7 +61,7 @@ def test_on_disk_format_is_the_documented_one(tmp_path: Path) -> None:
     path = tmp_path / "events.log"
     with EventLog.open(path) as log:
         log.append([b"hello", b""])
-    assert path.read_bytes() == record_bytes(b"hello") + record_bytes(b"")
+    assert path.read_bytes() == file_header(0) + record_bytes(b"hello") + record_bytes(b"")
 
 
 def test_empty_log_creates_parent_dirs_and_reads_nothing(tmp_path: Path) -> None:
@@ -61,7 +70,7 @@ def test_empty_log_creates_parent_dirs_and_reads_nothing(tmp_path: Path) -> None
         assert log.next_idx == 0
         assert list(log.read_from(0)) == []
         assert list(log.read_from(5)) == []
-    assert path.read_bytes() == b""
+    assert path.read_bytes() == file_header(0)
     with EventLog.open(path) as log:
         assert log.next_idx == 0
 
@@ -270,3 +279,136 @@ def test_ten_thousand_small_records_replay_fast(tmp_path: Path) -> None:
     assert replayed == list(enumerate(records))
     assert tail == list(enumerate(records))[9_990:]
     assert elapsed < 1.0, f"reopen + replay of 10k records took {elapsed:.2f}s"
+
+
+# --- compaction: a log that starts at a base index ------------------------------
+
+
+def test_rewrite_from_keeps_the_tail_and_its_indices(tmp_path: Path) -> None:
+    path = tmp_path / "events.log"
+    records = payloads(10)
+    with EventLog.open(path) as log:
+        log.append(records[:6])
+        reader = log.read_from(7)  # a reader started before the compaction...
+        log.append(records[6:])
+        log.rewrite_from(7)
+        assert (log.base_idx, log.next_idx, log.synced_idx) == (7, 10, 10)
+        assert list(reader) == list(enumerate(records))[7:]  # ...reads on in the new file
+        assert list(log.read_from(8)) == list(enumerate(records))[8:]
+        with pytest.raises(LogCompacted) as compacted:
+            log.read_from(6)
+        assert compacted.value.base_idx == 7
+        assert log.append([b"next"]) == 10
+    assert path.read_bytes() == file_header(7) + b"".join(
+        record_bytes(r) for r in [*records[7:], b"next"]
+    )
+    assert not path.with_name("events.log.tmp").exists()
+    with EventLog.open(path) as log:
+        assert (log.base_idx, log.next_idx) == (7, 11)
+
+
+def test_a_reader_behind_a_compaction_is_told(tmp_path: Path) -> None:
+    with EventLog.open(tmp_path / "events.log") as log:
+        log.append(payloads(5))
+        reader = log.read_from(1)  # not read yet when the records go
+        log.rewrite_from(4)
+        with pytest.raises(LogCompacted):
+            next(reader)
+
+
+def test_an_empty_log_can_start_at_any_index(tmp_path: Path) -> None:
+    path = tmp_path / "events.log"
+    with EventLog.open(path) as log:
+        log.append(payloads(3))
+    with EventLog.create_empty(path, 1234) as log:
+        assert (log.base_idx, log.next_idx) == (1234, 1234)
+        assert log.append([b"x"]) == 1234
+    with EventLog.open(path) as log:
+        assert list(log.read_from(1234)) == [(1234, b"x")]
+        with pytest.raises(LogCompacted):
+            log.read_from(0)
+
+
+def test_a_log_without_a_file_header_is_read_from_index_0(tmp_path: Path) -> None:
+    """Logs written before compaction existed start with a record."""
+    path = tmp_path / "events.log"
+    path.write_bytes(record_bytes(b"a") + record_bytes(b"b"))
+    with EventLog.open(path) as log:
+        assert list(log.read_from(0)) == [(0, b"a"), (1, b"b")]
+        assert log.append([b"c"]) == 2
+    assert read_all(path) == [b"a", b"b", b"c"]
+
+
+@pytest.mark.parametrize("cut", range(FILE_HEADER_SIZE))
+def test_a_new_log_torn_inside_its_file_header_opens_empty(tmp_path: Path, cut: int) -> None:
+    path = tmp_path / "events.log"
+    path.write_bytes(file_header(0)[:cut])
+    with EventLog.open(path) as log:
+        assert (log.base_idx, log.next_idx) == (0, 0)
+    assert path.read_bytes() == file_header(0)
+
+
+def test_a_bad_file_header_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "events.log"
+    path.write_bytes(b"EXOLOG" + struct.pack("<HQ", 9, 0))
+    with pytest.raises(EventLogCorrupted, match="unsupported file format version 9"):
+        EventLog.open(path)
+    path.write_bytes(b"garbage-garbage-garbage")
+    with pytest.raises(EventLogCorrupted, match="bad file header"):
+        EventLog.open(path)
+
+
+# --- durability: write, then sync (possibly in another thread) ------------------
+
+
+def test_written_records_are_readable_at_once_and_durable_after_sync(tmp_path: Path) -> None:
+    with EventLog.open(tmp_path / "events.log") as log:
+        log.append([b"a"])
+        assert log.write([b"b", b"c"]) == 1
+        assert (log.next_idx, log.synced_idx) == (3, 1)
+        assert [p for _, p in log.read_from(0)] == [b"a", b"b", b"c"]
+        assert log.sync() == 3
+        assert log.sync() == 3  # nothing new: no fsync needed
+
+
+def test_a_failed_fsync_writes_the_records_again_and_a_later_sync_covers_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a failed fsync the kernel may have dropped the dirty pages; the
+    records are written again so the next fsync makes them durable."""
+    path = tmp_path / "events.log"
+    with EventLog.open(path) as log:
+        log.append([b"a"])
+        log.write([b"b"])
+        real_fsync = os.fsync
+
+        def failing_fsync(fd: int) -> None:
+            # What the kernel may do: the dirty pages are gone with the error.
+            os.pwrite(fd, b"\0" * 11, FILE_HEADER_SIZE + 11)
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(os, "fsync", failing_fsync)
+        with pytest.raises(OSError, match="Input/output error"):
+            log.sync()
+        assert log.synced_idx == 1
+        monkeypatch.setattr(os, "fsync", real_fsync)
+        log.write([b"c"])
+        assert log.sync() == 3
+    assert read_all(path) == [b"a", b"b", b"c"]
+
+
+def test_a_full_disk_fails_the_write_and_leaves_the_log_as_it_was(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        path = disk / "events.log"
+        with EventLog.open(path) as log:
+            log.append([b"before"])
+            filler = fill(disk)
+            big = b"x" * 200_000
+            with pytest.raises(OSError) as full:
+                log.append([big])
+            assert full.value.errno == errno.ENOSPC
+            assert (log.next_idx, log.synced_idx) == (1, 1)
+            assert path.stat().st_size == FILE_HEADER_SIZE + HEADER_SIZE + len(b"before")
+            filler.unlink()  # space comes back: appends go on
+            assert log.append([big]) == 1
+        assert read_all(path) == [b"before", big]

@@ -5,10 +5,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from exo.engine.mlx.generate import TextDelta, TextGenerator
+from exo.engine.mlx.generate import LocalModel, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_for_inference
 from exo.main import main
-from exo.models import gguf_import
 from exo.models.builtin import builtin_gguf_path, ensure_default_model
 from exo.models.gguf_import import (
     IMPORT_MARKER,
@@ -16,7 +15,7 @@ from exo.models.gguf_import import (
     build_tokenizer_files,
     import_gguf,
 )
-from exo.models.store import sampling_defaults
+from exo.models.sampling_defaults import read_sampling_defaults
 from exo.shared.types.tasks import GenerationParams
 
 
@@ -91,7 +90,7 @@ def test_imported_model_answers_correctly(smollm_dir: Path) -> None:
     )
     assert isinstance(prompt, str)
     tokens = tokenizer.encode(prompt, add_special_tokens=False)
-    outputs = TextGenerator(model, tokenizer, None).generate(
+    outputs = TextGenerator(LocalModel(model, tokenizer), tokenizer, None).generate(
         tokens, GenerationParams(max_tokens=12, temperature=0)
     )
     text = "".join(o.text for o in outputs if isinstance(o, TextDelta))
@@ -106,14 +105,15 @@ def test_import_is_idempotent(models_dir: Path, smollm_dir: Path) -> None:
 
 
 def test_builtin_model_has_sampling_defaults(smollm_dir: Path) -> None:
-    assert sampling_defaults(smollm_dir) == (0.2, 0.9)
+    defaults = read_sampling_defaults(smollm_dir)
+    assert (defaults.temperature, defaults.top_p) == (0.2, 0.9)
 
 
 def test_failed_import_leaves_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def disk_full(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(gguf_import.mx, "save_safetensors", disk_full)
+    monkeypatch.setattr(mx, "save_safetensors", disk_full)  # the importer loads MLX lazily
     target = tmp_path / "models" / "broken"
     with pytest.raises(OSError, match="No space left"):
         import_gguf(builtin_gguf_path(), target)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from exo.models.cards import card_from_folder, shard_files
+from exo.models.cards import card_from_folder
 from exo.models.local_store import LocalFile, ModelStore, ModelUnavailable
+from exo.models.weight_files import shard_files
 from exo.shared.types.ids import ModelId
 from tests.model_factory import make_tiny_llama
 

@@ -8,22 +8,20 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from exo.engine.mlx.load import backend_name, load_for_inference
+from exo.engine.mlx.backend import backend_name
+from exo.engine.mlx.load import load_for_inference
 from exo.models.cards import (
-    ModelCard,
     ModelCardError,
-    Quantization,
     card_from_config,
     card_from_folder,
     estimate_params,
-    kv_bytes_per_token,
-    layer_files,
-    memory_other,
-    memory_per_layer,
-    read_safetensors_header,
-    shard_files,
 )
+from exo.models.memory import kv_bytes_per_token, memory_other, memory_per_layer
+from exo.models.safetensors_header import SafetensorsHeaderError, read_safetensors_header
+from exo.models.store import context_length
+from exo.models.weight_files import layer_files, shard_files
 from exo.shared.types.ids import ModelId
+from exo.shared.types.model_card import ModelCard, Quantization
 
 # SmolLM2-135M: attention q/o 576x576, k/v 192x576; MLP 3 x 576x1536; 2 norms.
 SMOL_LAYER_PARAMS = 2 * 576 * 576 + 2 * 192 * 576 + 3 * 576 * 1536 + 2 * 576
@@ -187,26 +185,28 @@ def _shape_of(name: str) -> tuple[int, ...]:
     return next(shape for key, shape in TENSOR_SHAPES.items() if f".{key}." in f".{name}")
 
 
+SHARDED_CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 8,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 4,
+    "intermediate_size": 16,
+    "max_position_embeddings": 512,
+    "vocab_size": 10,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+}
+
+
 @pytest.fixture
 def sharded_dir(tmp_path: Path) -> Path:
-    config = {
-        "model_type": "llama",
-        "hidden_size": 8,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "num_hidden_layers": 4,
-        "intermediate_size": 16,
-        "max_position_embeddings": 512,
-        "vocab_size": 10,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float16",
-    }
     weight_map: dict[str, str] = {}
     for file, names in SHARDS.items():
         tensors = {name: mx.zeros(_shape_of(name), dtype=mx.float16) for name in names}
         mx.save_safetensors(str(tmp_path / file), tensors)
         weight_map |= dict.fromkeys(names, file)
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps(SHARDED_CONFIG))
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map})
     )
@@ -255,8 +255,6 @@ def test_layer_files_picks_only_the_needed_shards(
 ) -> None:
     card = card_from_folder(ModelId("org/sharded"), sharded_dir)
     assert layer_files(card, start, end) == files
-    index = json.loads((sharded_dir / "model.safetensors.index.json").read_text())
-    assert layer_files(index, start, end) == files
     assert shard_files(card, start, end) == files | {
         "config.json",
         "model.safetensors.index.json",
@@ -268,9 +266,11 @@ def test_layer_files_with_a_tied_head_gives_the_last_rank_the_embedding() -> Non
     weight_map = {
         name: file for file, names in SHARDS.items() for name in names if name != "lm_head.weight"
     }
-    assert layer_files({"weight_map": weight_map}, 3, 4) == {S1, S3}
-    assert layer_files({"weight_map": weight_map}, 1, 3) == {S1, S2, S3}
-    assert layer_files({"weight_map": weight_map}, 1, 2) == {S1}
+    tied = SHARDED_CONFIG | {"tie_word_embeddings": True}
+    card = card_from_config(ModelId("org/tied"), tied, {"weight_map": weight_map})
+    assert layer_files(card, 3, 4) == {S1, S3}
+    assert layer_files(card, 1, 3) == {S1, S2, S3}
+    assert layer_files(card, 1, 2) == {S1}
 
 
 def test_layer_files_single_file_and_bad_ranges(smollm_dir: Path) -> None:
@@ -293,11 +293,35 @@ def test_missing_shard_and_missing_config_are_clear_errors(sharded_dir: Path) ->
 def test_read_safetensors_header_rejects_garbage(tmp_path: Path) -> None:
     path = tmp_path / "bad.safetensors"
     path.write_bytes(struct.pack("<Q", 5) + b"nope!")
-    with pytest.raises(ModelCardError, match="malformed"):
+    with pytest.raises(SafetensorsHeaderError, match="malformed"):
         read_safetensors_header(path)
     path.write_bytes(b"abc")
-    with pytest.raises(ModelCardError, match="too short"):
+    with pytest.raises(SafetensorsHeaderError, match="too short"):
         read_safetensors_header(path)
+
+
+def test_a_folder_with_a_broken_header_is_a_card_error(sharded_dir: Path) -> None:
+    (sharded_dir / S2).write_bytes(b"abc")
+    with pytest.raises(ModelCardError, match=re.escape(f"org/sharded: {S2}: too short")):
+        card_from_folder(ModelId("org/sharded"), sharded_dir)
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (SHARDED_CONFIG, 512),
+        (SHARDED_CONFIG | {"max_position_embeddings": None, "max_seq_len": 2048}, 2048),
+        ({k: v for k, v in SHARDED_CONFIG.items() if k != "max_position_embeddings"}, 4096),
+        # Vision-language configs nest the language model's settings.
+        (SHARDED_CONFIG | {"text_config": {"max_position_embeddings": 32768}}, 32768),
+    ],
+)
+def test_the_folder_and_the_card_agree_on_the_context_length(
+    sharded_dir: Path, config: dict[str, Any], expected: int
+) -> None:
+    (sharded_dir / "config.json").write_text(json.dumps(config))
+    card = card_from_folder(ModelId("org/sharded"), sharded_dir)
+    assert card.context_length == context_length(sharded_dir) == expected
 
 
 # Llama 3.2 1B's published architecture, quantized the way mlx-community does.

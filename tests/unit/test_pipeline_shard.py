@@ -2,9 +2,11 @@
 tests/integration/test_pipeline.py): shards chained in layer order compute exactly
 what the whole model does, and hold only their part of the weights."""
 
+import gc
 import itertools
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -14,19 +16,25 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
+from pydantic import ValidationError
 
-from exo.engine.mlx.load import parameter_bytes, prepare_for_backend
+from exo.engine.mlx.load import load_for_inference, parameter_bytes, prepare_for_backend
 from exo.engine.mlx.prefix_cache import KVPrefixCache, PrefixMatch
-from exo.engine.mlx.shard import LayerRange, ShardModel, UnsupportedShard, load_shard
+from exo.engine.mlx.shard import ShardModel, UnsupportedShard, load_shard
+from exo.shared.types.shard import LayerRange
 from tests.model_factory import make_tiny_llama
 from tests.unit.test_prefix_cache import kv_layers
 
 PROMPT = [[5, 17, 300, 42, 9, 1000, 77, 3, 250, 8, 61, 2000, 14, 15]]
 
 
+def layers(start: int, end: int, total: int = 6) -> LayerRange:
+    return LayerRange(start=start, end=end, total=total)
+
+
 def chained_logits(model_dir: Path, bounds: list[int]) -> list[mx.array]:
     """Logits of a prefill and two decode steps, run through shards in order."""
-    shards = [load_shard(model_dir, a, b) for a, b in itertools.pairwise(bounds)]
+    shards = [load_shard(model_dir, layers(a, b)) for a, b in itertools.pairwise(bounds)]
     caches = [shard.make_cache() for shard in shards]
     outputs = []
     for tokens in (PROMPT, [[123]], [[4]]):
@@ -104,12 +112,12 @@ def names(shard: ShardModel) -> set[str]:
 
 def test_a_shard_holds_only_its_layers_and_ends(model_dirs: dict[str, Path]) -> None:
     tied, untied = model_dirs["tied"], model_dirs["untied, 3 weight files"]
-    first, middle, last = (load_shard(untied, a, b) for a, b in [(0, 2), (2, 4), (4, 6)])
+    first, middle, last = (load_shard(untied, layers(a, b)) for a, b in [(0, 2), (2, 4), (4, 6)])
     assert names(first) == {"embed_tokens", "layers"}
     assert names(middle) == {"layers"}
     assert names(last) == {"layers", "norm", "lm_head"}
     # With tied embeddings the head is the embedding matrix: the last rank loads it.
-    assert names(load_shard(tied, 4, 6)) == {"embed_tokens", "layers", "norm"}
+    assert names(load_shard(tied, layers(4, 6))) == {"embed_tokens", "layers", "norm"}
     assert [len(s.layers) for s in (first, middle, last)] == [2, 2, 2]
     whole, config = load_model(untied)
     whole_bytes = parameter_bytes(prepare_for_backend(whole, config))
@@ -118,14 +126,46 @@ def test_a_shard_holds_only_its_layers_and_ends(model_dirs: dict[str, Path]) -> 
 
 @pytest.mark.parametrize(("start", "end"), [(3, 3), (4, 2), (-1, 2), (0, 7)])
 def test_a_layer_range_outside_the_model_is_refused(start: int, end: int) -> None:
-    with pytest.raises(UnsupportedShard):
-        LayerRange(start, end, 6)
+    with pytest.raises(ValidationError, match="not inside the model's 6 layers"):
+        layers(start, end)
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "first", "last"),
+    [(0, 6, True, True), (0, 2, True, False), (2, 4, False, False), (4, 6, False, True)],
+)
+def test_a_layer_range_knows_its_ends(start: int, end: int, first: bool, last: bool) -> None:
+    assert (layers(start, end).is_first, layers(start, end).is_last) == (first, last)
 
 
 def test_an_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(UnsupportedShard, match="mamba"):
-        load_shard(tmp_path, 0, 1)
+        load_shard(tmp_path, layers(0, 1))
+
+
+def test_a_layer_count_other_than_the_models_is_refused(model_dirs: dict[str, Path]) -> None:
+    with pytest.raises(UnsupportedShard, match="the model has 6 layers"):
+        load_shard(model_dirs["tied"], layers(0, 4, total=8))
+
+
+def weights_and_peak(load: Callable[[], Any]) -> tuple[int, int]:
+    """Parameter bytes of what `load` returns, and MLX's peak allocation while loading."""
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    return parameter_bytes(load()), mx.get_peak_memory() - before
+
+
+def test_a_third_of_the_layers_loads_on_a_share_of_the_memory(smollm_dir: Path) -> None:
+    # A third of the layers (and the embedding, for the ends): the weights and the
+    # peak memory while loading stay within half the whole model's.
+    whole_weights, whole_peak = weights_and_peak(lambda: load_for_inference(smollm_dir)[0])
+    for part in [layers(0, 10, total=30), layers(10, 20, total=30), layers(20, 30, total=30)]:
+        weights, peak = weights_and_peak(lambda part=part: load_shard(smollm_dir, part))
+        assert weights <= 0.5 * whole_weights
+        assert peak <= 0.5 * whole_peak
 
 
 class UnionExchange:
@@ -148,7 +188,7 @@ class UnionExchange:
 
 def test_ranks_with_different_budgets_evict_the_same_entries() -> None:
     exchange = UnionExchange()
-    entry = 2 * 2 * 256 * 2 * 4 * 4  # bytes of a kv_layers(n <= 256) entry (see test_prefix_cache)
+    entry = 2 * 2 * 20 * 2 * 4 * 4  # bytes of a kv_layers(20) entry (see test_prefix_cache)
     # One rank fits two entries, the other ten; memory pressure only on the second.
     pressured = iter([False, False, False, True, False, False])
     caches = [
@@ -161,8 +201,8 @@ def test_ranks_with_different_budgets_evict_the_same_entries() -> None:
     def run(side: int) -> None:
         cache = caches[side]
         for prompt in prompts:
-            match = cache.lookup((*prompt, -1))
-            cache.store(prompt, kv_layers(len(prompt)), match)
+            cache.lookup((*prompt, -1))
+            cache.store(prompt, kv_layers(len(prompt)))
             seen[side].append(cache.entry_ids())
 
     threads = [threading.Thread(target=run, args=(side,)) for side in (0, 1)]
@@ -186,10 +226,10 @@ def test_a_shard_loads_from_a_folder_with_only_its_own_weight_files(
     for path in source.iterdir():
         if not path.name.startswith("model-") or path.name.startswith("model-00002-"):
             (partial / path.name).symlink_to(path)
-    middle = dict(params(load_shard(partial, 2, 4)))
-    reference = dict(params(load_shard(source, 2, 4)))
+    middle = dict(params(load_shard(partial, layers(2, 4))))
+    reference = dict(params(load_shard(source, layers(2, 4))))
     assert middle.keys() == reference.keys()
     for name, array in middle.items():
         assert mx.array_equal(array, reference[name]).item(), name
     with pytest.raises(FileNotFoundError, match=r"layers \[1, 3\)"):
-        load_shard(partial, 1, 3)
+        load_shard(partial, layers(1, 3))

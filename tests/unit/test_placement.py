@@ -4,23 +4,31 @@ from typing import Any
 
 import pytest
 
+from exo.master.commands import decide
 from exo.master.placement import (
-    KV_RESERVE_TOKENS,
     MAX_CANDIDATE_NODES,
     Placement,
     PlacementError,
     PlacementRequest,
+    ProgressFn,
     free_bytes,
-    human_bytes,
-    kv_reserve_per_layer,
-    layer_cost,
     place,
     preview,
     split_layers,
 )
-from exo.models.cards import ModelCard, Quantization
-from exo.shared.types.ids import ModelId, NodeId
-from exo.shared.types.state import MlxBackend, NodeInfo, NodeTelemetry, State
+from exo.models.memory import KV_RESERVE_TOKENS, kv_reserve_per_layer, layer_cost, layers_that_fit
+from exo.shared.types.commands import PlaceInstance
+from exo.shared.types.events import InstanceCreated
+from exo.shared.types.ids import InstanceId, ModelId, NodeId
+from exo.shared.types.model_card import ModelCard, Quantization
+from exo.shared.types.state import (
+    Instance,
+    InstanceRank,
+    MlxBackend,
+    NodeInfo,
+    NodeTelemetry,
+    State,
+)
 
 GB = 10**9
 MB = 10**6
@@ -90,8 +98,9 @@ def layout(placement: Placement) -> list[tuple[str, int, int]]:
     return [(r.node_id, r.start_layer, r.end_layer) for r in placement.ranks]
 
 
-def progress_of(**fractions: float) -> dict[NodeId, float]:
-    return {NodeId(n): f for n, f in fractions.items()}
+def progress_of(**fractions: float) -> ProgressFn:
+    """Each node's downloaded fraction, whatever layers it would serve (0 if not given)."""
+    return lambda node_id, start, end: fractions.get(node_id, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -118,7 +127,9 @@ def progress_of(**fractions: float) -> dict[NodeId, float]:
 def test_split_layers(
     n_layers: int, weights: list[int], caps: list[int] | None, expected: list[int] | None
 ) -> None:
-    assert split_layers(n_layers, weights, caps) == expected
+    """`caps` None: every part may take all layers."""
+    limits = [n_layers] * len(weights) if caps is None else caps
+    assert split_layers(n_layers, weights, limits) == expected
 
 
 def test_layers_split_in_proportion_to_free_ram() -> None:
@@ -127,7 +138,7 @@ def test_layers_split_in_proportion_to_free_ram() -> None:
     placement = place(model, state)
     assert layout(placement) == [("a", 0, 15), ("b", 15, 25), ("c", 25, 30)]
     cost = model.layer_bytes + kv_reserve_per_layer(model, "metal")
-    assert [r.memory_bytes for r in placement.ranks] == [
+    assert [placement.memory_bytes[r.node_id] for r in placement.ranks] == [
         15 * cost + model.embedding_bytes,
         10 * cost,
         5 * cost + model.head_bytes,
@@ -148,9 +159,9 @@ STATE = cluster(node("a", 32), node("b", 16), node("c", 8))
     ("progress", "request_", "nodes"),
     [
         # Nothing downloaded: the most free RAM wins.
-        ({}, PlacementRequest(max_nodes=1), ["a"]),
-        ({}, PlacementRequest(), ["a", "b", "c"]),
-        ({}, PlacementRequest(min_nodes=2, max_nodes=2), ["a", "b"]),
+        (progress_of(), PlacementRequest(max_nodes=1), ["a"]),
+        (progress_of(), PlacementRequest(), ["a", "b", "c"]),
+        (progress_of(), PlacementRequest(min_nodes=2, max_nodes=2), ["a", "b"]),
         # Download progress beats RAM.
         (progress_of(c=1.0), PlacementRequest(max_nodes=1), ["c"]),
         (progress_of(b=0.5, c=0.4), PlacementRequest(max_nodes=1), ["b"]),
@@ -166,15 +177,15 @@ STATE = cluster(node("a", 32), node("b", 16), node("c", 8))
     ],
 )
 def test_download_progress_then_ram(
-    progress: dict[NodeId, float], request_: PlacementRequest, nodes: list[str]
+    progress: ProgressFn, request_: PlacementRequest, nodes: list[str]
 ) -> None:
-    placement = place(card(), STATE, progress, request_)
+    placement = place(card(), STATE, request_, progress=progress)
     assert list(placement.node_ids) == nodes
 
 
 def test_preview_ranks_progress_then_ram_then_fewer_nodes_then_ids() -> None:
     state = cluster(node("a", 20), node("b", 10), node("c", 10))
-    placements = preview(card(), state, progress_of(a=0.5, b=0.25, c=0.25))
+    placements = preview(card(), state, progress=progress_of(a=0.5, b=0.25, c=0.25))
     assert [(p.node_ids, p.download_progress, p.free_bytes // GB) for p in placements] == [
         (("a", "b", "c"), 1.0, 36),
         (("a", "b"), 0.75, 27),
@@ -184,7 +195,7 @@ def test_preview_ranks_progress_then_ram_then_fewer_nodes_then_ids() -> None:
         (("b",), 0.25, 9),
         (("c",), 0.25, 9),
     ]
-    assert place(card(), state, progress_of(a=0.5, b=0.25, c=0.25)) == placements[0]
+    assert place(card(), state, progress=progress_of(a=0.5, b=0.25, c=0.25)) == placements[0]
 
 
 def test_every_placement_covers_all_layers_each_node_at_least_one() -> None:
@@ -198,11 +209,11 @@ def test_every_placement_covers_all_layers_each_node_at_least_one() -> None:
         assert ranks[-1].end_layer == model.n_layers
         for prev, rank in pairwise(ranks):
             assert prev.end_layer == rank.start_layer
-        assert all(r.n_layers >= 1 for r in ranks)
+        assert all(r.end_layer - r.start_layer >= 1 for r in ranks)
         for rank in ranks:
             telemetry = state.nodes[rank.node_id].telemetry
             assert telemetry is not None
-            assert rank.memory_bytes <= free_bytes(telemetry)
+            assert placement.memory_bytes[rank.node_id] <= free_bytes(telemetry)
 
 
 def test_a_node_too_small_for_one_layer_is_excluded() -> None:
@@ -213,7 +224,7 @@ def test_a_node_too_small_for_one_layer_is_excluded() -> None:
     assert placements
     assert all(NodeId("tiny") not in p.node_ids for p in placements)
     # Its download progress does not help it.
-    best = place(model, state, progress_of(tiny=1.0), PlacementRequest(max_nodes=1))
+    best = place(model, state, PlacementRequest(max_nodes=1), progress=progress_of(tiny=1.0))
     assert best.node_ids == ("big",)
     with pytest.raises(PlacementError, match="too small for even one layer: tiny"):
         place(model, state, request=PlacementRequest(min_nodes=3))
@@ -277,7 +288,7 @@ def test_cpu_nodes_count_float32_weights() -> None:
     mixed = cluster(node("mac", 10), node("linux", 10, backend="cpu"))
     placement = place(model, mixed, request=PlacementRequest(min_nodes=2))
     assert layout(placement) == [("linux", 0, 13), ("mac", 13, 30)]
-    assert all(r.memory_bytes <= 9 * GB for r in placement.ranks)
+    assert all(memory <= 9 * GB for memory in placement.memory_bytes.values())
 
 
 def test_kv_reserve() -> None:
@@ -289,23 +300,143 @@ def test_kv_reserve() -> None:
     assert kv_reserve_per_layer(short, "metal") == per_token * 2 * 1024 // 30
 
 
+@pytest.mark.parametrize(
+    ("free_layers", "extra", "first", "last", "expected"),
+    [
+        (3, 0, True, False, 3),  # the embedding and three layers
+        (3, -1, True, False, 2),
+        (3, 0, False, False, 3),  # a middle rank holds layers only
+        (3, -1, False, False, 2),
+        (0, 0, True, True, 0),  # embedding and head, no layer
+        (0, -1, True, True, 0),  # not even the embedding and head
+        (40, 0, False, True, 30),  # never more than the model has
+    ],
+)
+def test_layers_that_fit(
+    free_layers: int, extra: int, first: bool, last: bool, expected: int
+) -> None:
+    """`free` = the rank's embedding/head + `free_layers` layers + `extra` bytes."""
+    model = card(layer_bytes=100 * MB, embedding_bytes=50 * MB, head_bytes=50 * MB)
+    cost = layer_cost(model, "metal")
+    fixed = (50 * MB if first else 0) + (50 * MB if last else 0)
+    free = fixed + free_layers * cost + extra
+    assert layers_that_fit(model, "metal", free, first=first, last=last) == expected
+
+
 def test_only_the_nodes_with_the_most_free_ram_are_candidates() -> None:
     nodes = [node(f"n{i:02d}", 10 + i) for i in range(MAX_CANDIDATE_NODES + 2)]
-    placements = preview(card(), cluster(*nodes), progress_of(n00=1.0, n01=1.0))
+    placements = preview(card(), cluster(*nodes), progress=progress_of(n00=1.0, n01=1.0))
     used = {n for p in placements for n in p.node_ids}
     assert used == {NodeId(f"n{i:02d}") for i in range(2, MAX_CANDIDATE_NODES + 2)}
     assert len(placements) == 2**MAX_CANDIDATE_NODES - 1
 
 
+def served(state: State, model: ModelCard, *nodes: str) -> State:
+    """`state` with an instance of `model` over `nodes` (one layer each, then the rest)."""
+    bounds = [*range(len(nodes)), model.n_layers]
+    instance = Instance(
+        instance_id=InstanceId(f"{model.model_id}-on-{'-'.join(nodes)}"),
+        model_id=model.model_id,
+        ranks=tuple(
+            InstanceRank(node_id=NodeId(n), start_layer=bounds[i], end_layer=bounds[i + 1])
+            for i, n in enumerate(nodes)
+        ),
+    )
+    return state.model_copy(
+        update={"instances": {**state.instances, instance.instance_id: instance}}
+    )
+
+
+def test_nodes_that_serve_the_model_are_not_candidates() -> None:
+    model, other = card(), card(model_id=ModelId("other"))
+    state = served(served(STATE, model, "a"), other, "b", "c")
+    placements = preview(model, state)
+    assert {p.node_ids for p in placements} == {("b", "c"), ("b",), ("c",)}
+    # Another model's instance does not count.
+    assert place(other, state).node_ids == ("a",)
+    with pytest.raises(
+        PlacementError,
+        match=re.escape(
+            "m already has an instance on a; only 2 other node(s) can take one (min_nodes=3)"
+        ),
+    ):
+        place(model, state, PlacementRequest(min_nodes=3))
+    with pytest.raises(PlacementError, match="m already has an instance on a, b, c; only 0"):
+        place(model, served(state, model, "b", "c"))
+
+
+def with_addresses(state: State) -> State:
+    """Every node with a cluster address, as nodes that joined have (rings need one)."""
+    return state.model_copy(
+        update={
+            "nodes": {
+                n: info.model_copy(update={"grpc_address": f"10.0.0.{i}:5000"})
+                for i, (n, info) in enumerate(sorted(state.nodes.items()))
+            }
+        }
+    )
+
+
 @pytest.mark.parametrize(
-    ("n", "text"),
+    ("state", "request_"),
     [
-        (0, "0 B"),
-        (999, "999 B"),
-        (1500, "1.5 KB"),
-        (140 * MB, "140.0 MB"),
-        (2_100_000_000, "2.1 GB"),
+        (STATE, PlacementRequest()),
+        (STATE, PlacementRequest(max_nodes=1)),
+        (served(STATE, card(), "a"), PlacementRequest()),  # the best node serves it already
+        (served(STATE, card(), "a"), PlacementRequest(max_nodes=1)),
+        (served(STATE, card(model_id=ModelId("other")), "a", "b"), PlacementRequest()),
     ],
 )
-def test_human_bytes(n: int, text: str) -> None:
-    assert human_bytes(n) == text
+def test_placing_places_what_the_first_preview_shows(
+    state: State, request_: PlacementRequest
+) -> None:
+    model = card()
+    state = with_addresses(state).model_copy(update={"cards": {model.model_id: model}})
+    [first, *_] = preview(model, state, request_)
+    command = PlaceInstance(
+        instance_id=InstanceId("new"),
+        model_id=model.model_id,
+        min_nodes=request_.min_nodes,
+        max_nodes=request_.max_nodes,
+    )
+    [created] = [e for e in decide(state, command) if isinstance(e, InstanceCreated)]
+    assert created.instance.ranks == first.ranks
+
+
+# --- architectures exo can load and split ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("architecture", "min_nodes", "nodes", "refusal"),
+    [
+        ("llama", 2, 2, None),  # shardable: split across nodes
+        ("qwen3", 1, 2, None),
+        ("gemma3", 1, 1, None),  # mlx-lm loads it whole; one node only
+        ("gemma3", 2, 1, "cannot split m across 2 nodes: its architecture 'gemma3' can only"),
+        ("not_a_model", 1, 1, "cannot place m: exo cannot load its architecture 'not_a_model'"),
+        ("../llama", 1, 1, "exo cannot load its architecture '../llama'"),
+    ],
+)
+def test_placement_refuses_an_architecture_exo_cannot_serve(
+    architecture: str, min_nodes: int, nodes: int, refusal: str | None
+) -> None:
+    state = cluster(node("a", 4), node("b", 4))  # the model fits on one or on both
+    request = PlacementRequest(min_nodes=min_nodes)
+    if refusal is None:
+        placement = place(card(architecture=architecture), state, request)
+        assert len(placement.ranks) == nodes
+        return
+    with pytest.raises(PlacementError) as refused:
+        preview(card(architecture=architecture), state, request)
+    assert refusal in str(refused.value)
+    assert "supported across nodes: llama, mistral, qwen2, qwen3" in str(refused.value)
+
+
+def test_a_model_that_cannot_be_split_is_placed_whole_even_when_a_split_would_rank_first() -> None:
+    # Too big for one 2 GB node but fits split: a llama goes to both nodes, a
+    # gemma3 (whole only) to none, with the reason.
+    big = {"n_layers": 30, "layer_bytes": 100 * MB}
+    state = cluster(node("a", 2.5), node("b", 2.5))
+    assert len(place(card(**big), state).ranks) == 2
+    with pytest.raises(PlacementError):
+        place(card(architecture="gemma3", **big), state)

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from exo.models.cards import shard_files
+from exo.models.weight_files import shard_files
 from exo.shared.types.downloads import DownloadProgress, DownloadStatus
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.state import Instance, InstanceRank, NodeInfo, State

@@ -1,4 +1,5 @@
-"""KVPrefixCache: matching, update-vs-add, LRU/byte budget, aliasing, non-trimmable caches.
+"""KVPrefixCache: matching, extend-vs-branch, shared chunks, LRU/byte budget, aliasing,
+non-trimmable caches (checkpoints), generated tokens, miss diagnostics.
 
 Unit tests use real mlx_lm cache objects filled with synthetic keys/values (position
 encoded in the values, so a restore can be checked element by element); the aliasing
@@ -16,23 +17,22 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from exo.engine.mlx.generate import GenerationDone, TextDelta, TextGenerator
+from exo.engine.mlx.generate import GenerationDone, LocalModel, TextDelta, TextGenerator
+from exo.engine.mlx.kv_chunks import CHUNK_TOKENS
 from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.prefix_cache import (
-    MIN_UPDATE_TOKENS,
-    CacheEntry,
-    CacheStats,
+    EntryFootprint,
     KVPrefixCache,
     LayerCache,
     PrefixMatch,
     choose_evictions,
-    is_good_hit,
     layers_nbytes,
 )
+from exo.engine.token_trie import common_prefix_length
+from exo.shared.types.cache_stats import CacheStats
 from exo.shared.types.tasks import GenerationParams
 
 HEADS, DIM = 2, 4
-KV_STEP = 256  # KVCache.step: KVCache allocates positions in blocks of this many
 BIG = 1 << 40  # a byte budget nothing reaches
 
 Tokens = tuple[int, ...]
@@ -83,9 +83,8 @@ def arrays_layers(n: int) -> list[LayerCache]:
 
 
 def kv_bytes(n: int, n_layers: int = 2) -> int:
-    """Bytes a `kv_layers(n)` entry holds: KVCache allocates in steps of 256 positions."""
-    steps = -(-n // KV_STEP)
-    return n_layers * 2 * steps * KV_STEP * HEADS * DIM * 4
+    """Bytes the cache holds for `n` distinct positions of `kv_layers`: exact copies."""
+    return n_layers * 2 * n * HEADS * DIM * 4
 
 
 def positions(layer: LayerCache) -> list[float]:
@@ -99,9 +98,9 @@ def positions(layer: LayerCache) -> list[float]:
 def store_fresh(
     cache: KVPrefixCache, tokens: Tokens, layers: list[LayerCache] | None = None
 ) -> int:
-    """Store `tokens` the way the generator does: after a lookup, as a new entry."""
-    match = cache.lookup((*tokens, -1))
-    entry_id = cache.store(tokens, layers if layers is not None else kv_layers(len(tokens)), match)
+    """Store `tokens` the way the generator does: after a lookup."""
+    cache.lookup((*tokens, -1))
+    entry_id = cache.store(tokens, layers if layers is not None else kv_layers(len(tokens)))
     assert entry_id is not None
     return entry_id
 
@@ -223,24 +222,33 @@ def test_stats_counters_over_a_session() -> None:
     cache = KVPrefixCache(BIG)
     assert cache.stats() == CacheStats(byte_budget=BIG)
     cache.lookup(A[:50])  # miss
-    cache.store(A[:49], kv_layers(49), PrefixMatch(None, 0, 50))
+    cache.store(A[:49], kv_layers(49))
     cache.lookup(A[:50])  # exact: 49 reused, the last token is always computed
     cache.lookup(A[:49])  # exact: 48 reused
     cache.lookup(A[:20])  # exact: 19 reused
     cache.lookup(B[:20])  # miss
-    cache.store(B[:10], kv_layers(10), PrefixMatch(None, 0, 20))
+    cache.store(B[:10], kv_layers(10))
     cache.lookup((*B[:10], *A[:3]))  # partial: 10 reused
-    assert stats_dict(cache) == {
+    misses = cache.stats().recent_misses
+    counters = cache.stats().model_dump(exclude={"recent_misses"})
+    assert counters == {
         "lookups": 6,
         "hits_exact": 3,
         "hits_partial": 1,
         "misses": 2,
         "tokens_reused": 49 + 48 + 19 + 10,
+        "memory_hits": 4,
+        "disk_hits": 0,
         "entries": 2,
+        "chunks": 0,
         "bytes": kv_bytes(49) + kv_bytes(10),
         "evictions": 0,
         "byte_budget": BIG,
+        "disk_entries": 0,
+        "disk_bytes": 0,
+        "disk_byte_budget": 0,
     }
+    assert [m.reason for m in misses] == ["new", "new"]
     # A stats snapshot is a copy, not a live view.
     snapshot = cache.stats()
     cache.lookup(A[:50])
@@ -251,201 +259,191 @@ def test_stats_counters_over_a_session() -> None:
 def test_store_of_an_existing_sequence_keeps_one_entry() -> None:
     cache = KVPrefixCache(BIG)
     entry_id = store_fresh(cache, A[:20])
-    original = cache.entry_layers(entry_id)
-    again = cache.store(A[:20], kv_layers(20), cache.lookup(A[:21]))
-    assert again == entry_id
-    assert cache.entry_layers(entry_id) is original
-    assert cache.stats().entries == 1
+    before = cache.stats().bytes
+    assert cache.store(A[:20], kv_layers(20)) == entry_id
+    # A prefix of a stored sequence is held already.
+    assert cache.store(A[:12], kv_layers(12)) == entry_id
+    assert (cache.stats().entries, cache.stats().bytes) == (1, before)
 
 
 def test_store_of_no_tokens_keeps_nothing() -> None:
     cache = KVPrefixCache(BIG)
-    assert cache.store((), kv_layers(0), PrefixMatch(None, 0, 1)) is None
+    assert cache.store((), kv_layers(0)) is None
     assert cache.stats().entries == 0
 
 
 def test_bytes_are_counted_from_the_arrays_held() -> None:
     cache = KVPrefixCache(BIG)
-    for n in (1, 255, 256, 257, 700):
-        layers = kv_layers(n)
-        entry_id = store_fresh(cache, A[:n] if n != 700 else B[:n], layers)
-        held = cache.entry_layers(entry_id)
-        assert layers_nbytes(held) == sum(
-            int(layer.keys.nbytes + layer.values.nbytes) for layer in held
-        )
-        assert layers_nbytes(held) == kv_bytes(n)
-    # Entries for A[:1], A[:255], ... are separate entries (each is a strict prefix).
-    assert cache.stats().entries == 5
-    assert cache.stats().bytes == sum(kv_bytes(n) for n in (1, 255, 256, 257, 700))
+    for n in (1, 63, 64, 65, 257):
+        store_fresh(cache, A[:n])  # each extends the one before: one entry
+        assert cache.stats().bytes == kv_bytes(n)
+    store_fresh(cache, B[:700])
+    assert cache.stats().entries == 2
+    assert cache.stats().bytes == kv_bytes(257) + kv_bytes(700)
+    assert cache.stats().chunks == 257 // CHUNK_TOKENS + 700 // CHUNK_TOKENS
 
 
-# --- update in place vs add --------------------------------------------------------
+# --- extend, never overwrite --------------------------------------------------------
 
-
-@pytest.mark.parametrize(
-    ("usable", "prompt_length", "system_prompt_length", "good"),
-    [
-        (MIN_UPDATE_TOKENS, 2 * MIN_UPDATE_TOKENS, 0, True),
-        (MIN_UPDATE_TOKENS - 1, MIN_UPDATE_TOKENS, 0, False),
-        (MIN_UPDATE_TOKENS, 2 * MIN_UPDATE_TOKENS + 1, 0, False),
-        (5000, 9000, 0, True),
-        (5000, 11000, 0, False),
-        # The hit must go past the system prompt (which includes the next message's
-        # header): a hit on the system prompt alone is another conversation.
-        (1500, 2000, 1500, False),
-        (1501, 2000, 1500, True),
-        (1499, 2000, 1500, False),
-        (1200, 1500, 2000, False),
-        (0, 0, 0, False),
-        (999, 999, 0, False),
-        (1000, 1000, 0, True),
-    ],
-)
-def test_is_good_hit(
-    usable: int, prompt_length: int, system_prompt_length: int, good: bool
-) -> None:
-    assert is_good_hit(usable, prompt_length, system_prompt_length) is good
+SYSTEM = seq(300, 70_000)
 
 
 @pytest.mark.parametrize(
-    ("cached", "shared", "prompt", "system", "expect"),
+    ("first", "second", "extends"),
     [
-        # Agentic turn: the whole cached conversation plus a bit more.
-        (1200, 1200, 2000, 0, "update"),
-        (1000, 1000, 1800, 0, "update"),
-        # Too few tokens reused to be worth replacing the entry.
-        (999, 999, 1500, 0, "add"),
-        (800, 800, 900, 0, "add"),
-        # Under half of the new prompt reused (stored key is prompt-1 tokens long).
-        (1000, 1000, 2100, 0, "add"),
-        (1500, 1500, 3001, 0, "update"),
-        (1500, 1500, 3003, 0, "add"),
-        # The hit must cover the system prompt.
-        (1200, 1200, 2000, 1500, "add"),
-        (1600, 1600, 2000, 1500, "update"),
-        # A branch (edit of an earlier turn) sharing most of the entry replaces it.
-        (3000, 2500, 4000, 0, "update"),
-        # Sharing only a system prompt with a long different conversation: both stay.
-        (3000, 1200, 3000, 1200, "add"),
-        # ... and with a short one, where the shared part is most of the prompt.
-        (1300, 1200, 1300, 1200, "add"),
-        # A shorter prompt that is a prefix of a long entry: the entry is cut back.
-        (3000, 3000, 2000, 0, "update"),
+        # The next turn of one conversation: the entry is extended in place.
+        ((*SYSTEM, *A[:50]), (*SYSTEM, *A[:120]), True),
+        # Two sessions whose first user messages share words: a branch, both stay.
+        ((*SYSTEM, *A[:50]), (*SYSTEM, *A[:20], *B[:60]), False),
+        # Only the system prompt in common.
+        ((*SYSTEM, *A[:50]), (*SYSTEM, *B[:50]), False),
+        # An edit of an earlier message of the same conversation: a branch too.
+        ((*SYSTEM, *A[:200]), (*SYSTEM, *A[:150], *B[:10]), False),
+        # Nothing in common.
+        (A[:80], B[:80], False),
+        # A long shared prefix and a one-token difference at the end.
+        ((*SYSTEM, *A[:50]), (*SYSTEM, *A[:49], 7), False),
     ],
 )
-def test_update_or_add(cached: int, shared: int, prompt: int, system: int, expect: str) -> None:
+def test_extend_or_branch(first: Tokens, second: Tokens, extends: bool) -> None:
     cache = KVPrefixCache(BIG)
-    old = A[:cached]
-    old_id = store_fresh(cache, old)
-    other_id = store_fresh(cache, B[:50])  # an unrelated entry that must survive either way
-    new_prompt = (A[:shared] + seq(prompt, 50_000))[:prompt]
+    first_id = store_fresh(cache, first)
+    second_id = store_fresh(cache, second)
 
-    match = cache.lookup(new_prompt)
-    assert match.entry_id == old_id
-    assert match.usable == min(shared, prompt - 1)
-    key = new_prompt[:-1]
-    new_id = cache.store(key, kv_layers(len(key)), match, system_prompt_length=system)
-
-    assert new_id is not None
-    assert cache.entry_tokens(new_id) == key
-    assert cache.entry_tokens(other_id) == B[:50]
-    beyond_old = (*old, 7)
-    if expect == "update":
-        assert new_id == old_id
-        assert cache.stats().entries == 2
-        # The old tokens are matchable only as far as they agree with the new ones.
-        assert cache.lookup(beyond_old).usable == min(len(key), shared, len(old))
-        assert cache.stats().bytes == kv_bytes(len(key)) + kv_bytes(50)
-    else:
-        assert new_id not in (old_id, other_id)
-        assert cache.stats().entries == 3
-        assert cache.entry_tokens(old_id) == old
-        # All the old tokens are still served (by the old entry or, where the new one
-        # extends it, by either).
-        match = cache.lookup(beyond_old)
-        assert match.usable == len(old)
-        assert match.entry_id == (old_id if shared < cached else new_id)
-    # Either way the new prompt is now fully cached (all but its last token).
-    assert cache.lookup(new_prompt) == PrefixMatch(new_id, len(key), len(new_prompt))
+    assert (second_id == first_id) is extends
+    assert cache.stats().entries == (1 if extends else 2)
+    # Both sequences are still served in full (all but a query's last token).
+    for tokens in (first, second):
+        match = cache.lookup((*tokens, 5))
+        assert match.usable == len(tokens)
+        restored = cache.restore(match)
+        assert restored is not None and positions(restored[1]) == [
+            1000.0 + p for p in range(len(tokens))
+        ]
+    # The shared prefix is held once: bytes are those of the distinct positions.
+    shared = common_prefix_length(first, second)
+    assert cache.stats().bytes <= kv_bytes(len(first) + len(second) - shared) + kv_bytes(
+        CHUNK_TOKENS
+    )
 
 
-def test_two_conversations_sharing_a_system_prompt_both_stay() -> None:
-    """Turns alternate between two agents with the same 1200-token system prompt."""
-    system = seq(1200, 70_000)
+def test_twelve_sessions_round_robin_keep_their_history_in_shared_chunks() -> None:
+    """12 sessions behind one system prompt, 3 turns each, served round-robin: every
+    later turn reuses its whole history, and the cache holds little more than the
+    bytes of the distinct tokens."""
+    rng = random.Random(12)
     cache = KVPrefixCache(BIG)
-    conv = {
-        "a": [*system, *A[:1500]],
-        "b": [*system, *B[:1500]],
-    }
-    entry_of: dict[str, int] = {}
+    history = {s: list(SYSTEM) for s in range(12)}
+    distinct = len(SYSTEM)
+    next_token = 200_000
     for turn in range(3):
-        for name, tokens in conv.items():
-            match = cache.lookup(tokens)
-            if turn == 0:
-                expected_usable = 0 if name == "a" else len(system)
-            else:
-                expected_usable = len(tokens) - 1 - 400  # the previous turn's prompt
-            assert match.usable == expected_usable
-            entry_id = cache.store(tokens[:-1], kv_layers(len(tokens) - 1), match, len(system))
-            assert entry_id is not None
-            if turn > 0:
-                # A good hit on its own conversation: updated in place.
-                assert entry_id == entry_of[name]
-            entry_of[name] = entry_id
-            tokens.extend(seq(400, 100_000 * (turn + 1) + (0 if name == "a" else 50_000)))
-        assert entry_of["a"] != entry_of["b"]
-        assert cache.stats().entries == 2
-    for name, tokens in conv.items():
-        match = cache.lookup(tokens)
-        assert match.entry_id == entry_of[name]
-        assert match.usable == len(tokens) - 1 - 400
+        for session in range(12):
+            user = rng.randint(20, 120)
+            prompt = [*history[session], *range(next_token, next_token + user)]
+            next_token += user
+            match = cache.lookup(prompt)
+            # The whole history (the very first prompt finds nothing).
+            assert match.usable == (len(history[session]) if turn or session else 0)
+            reply = rng.randint(10, 60)
+            history[session] = [*prompt, *range(next_token, next_token + reply)]
+            next_token += reply
+            distinct += user + reply
+            cache.store(history[session], kv_layers(len(history[session])))
+    assert cache.stats().entries == 12
+    assert cache.stats().bytes <= 1.2 * kv_bytes(distinct)
+
+
+# --- generated tokens: the reply is kept -------------------------------------------
+
+
+def test_reply_tokens_are_reused_by_the_next_turn(
+    tiny: tuple[nn.Module, TokenizerWrapper],
+) -> None:
+    model, tokenizer = tiny
+    cache = KVPrefixCache(BIG)
+    warm = TextGenerator(LocalModel(model, tokenizer), tokenizer, cache, prefill_step_tokens=16)
+    cold = TextGenerator(LocalModel(model, tokenizer), tokenizer, None, prefill_step_tokens=16)
+    prompt = random_tokens(30, seed=11)
+    warm_outputs = list(warm.generate(prompt, GenerationParams(max_tokens=8, temperature=0)))
+    done = warm_outputs[-1]
+    assert isinstance(done, GenerationDone)
+    reply = _greedy_ids(model, prompt, done.usage.completion_tokens)
+    # One entry: the prompt's, extended by the reply the cache objects hold.
+    (entry_id,) = cache.entry_ids()
+    stored = cache.entry_tokens(entry_id)
+    assert stored[: len(prompt)] == tuple(prompt)
+    assert list(stored[len(prompt) :]) == reply[: len(stored) - len(prompt)]
+    assert len(stored) >= len(prompt) + len(reply) - 1
+    follow_up = [*prompt, *reply, *random_tokens(6, seed=12)]
+    text, finished = _run(warm, follow_up)
+    assert finished.usage.cached_tokens == len(stored)
+    cold_text, cold_finished = _run(cold, follow_up)
+    assert (text, finished.finish_reason) == (cold_text, cold_finished.finish_reason)
+
+
+def _greedy_ids(model: nn.Module, prompt: list[int], n: int) -> list[int]:
+    tokens, _ = greedy(model, make_prompt_cache(model), prompt, n)
+    return tokens[:n]
 
 
 # --- LRU and byte budget -----------------------------------------------------------
 
 
-def _entries(spec: dict[int, tuple[int, int]]) -> dict[int, CacheEntry]:
+def _footprints(spec: dict[int, tuple[int, int, tuple[str, ...]]]) -> dict[int, EntryFootprint]:
+    """id -> (own bytes, last used, chunk names)."""
     return {
-        i: CacheEntry(tokens=(i,), layers=[], nbytes=nbytes, trimmable=True, last_used=used)
-        for i, (nbytes, used) in spec.items()
+        i: EntryFootprint(last_used=used, chunks=tuple(c.encode() for c in chunks), own_nbytes=own)
+        for i, (own, used, chunks) in spec.items()
     }
 
 
 @pytest.mark.parametrize(
-    ("spec", "budget", "pressure", "keep", "victims"),
+    ("spec", "chunks", "budget", "pressure", "keep", "victims"),
     [
         # Within budget: nothing.
-        ({1: (10, 1), 2: (10, 2)}, 20, False, 2, []),
-        ({}, 0, False, None, []),
+        ({1: (10, 1, ()), 2: (10, 2, ())}, {}, 20, False, 2, []),
+        ({}, {}, 0, False, None, []),
         # Over budget: least recently used first, until it fits.
-        ({1: (10, 3), 2: (10, 1), 3: (10, 2)}, 20, False, None, [2]),
-        ({1: (10, 3), 2: (10, 1), 3: (10, 2)}, 10, False, None, [2, 3]),
-        ({1: (10, 3), 2: (10, 1), 3: (10, 2), 4: (5, 4)}, 20, False, 4, [2, 3]),
+        ({1: (10, 3, ()), 2: (10, 1, ()), 3: (10, 2, ())}, {}, 20, False, None, [2]),
+        ({1: (10, 3, ()), 2: (10, 1, ()), 3: (10, 2, ())}, {}, 10, False, None, [2, 3]),
         # `keep` is never evicted to make room for older entries.
-        ({1: (10, 9), 2: (10, 1)}, 10, False, 1, [2]),
-        # A big old entry alone may be enough.
-        ({1: (100, 1), 2: (10, 2), 3: (10, 3)}, 25, False, 3, [1]),
+        ({1: (10, 9, ()), 2: (10, 1, ())}, {}, 10, False, 1, [2]),
         # An entry larger than the whole budget is dropped, without evicting others.
-        ({1: (10, 1), 2: (10, 2), 3: (100, 3)}, 50, False, 3, [3]),
-        ({1: (10, 1), 2: (30, 2), 3: (100, 3)}, 30, False, 3, [1, 3]),
+        ({1: (10, 1, ()), 2: (10, 2, ()), 3: (100, 3, ())}, {}, 50, False, 3, [3]),
+        # ... counting the chunks it holds.
+        ({1: (10, 1, ()), 2: (1, 2, ("s", "t"))}, {"s": 30, "t": 30}, 50, False, 2, [2]),
+        # Shared chunks are freed only with their last holder: dropping the oldest
+        # session frees its own bytes only, so the next one goes too.
+        (
+            {1: (10, 1, ("s",)), 2: (10, 2, ("s",)), 3: (10, 3, ("s",))},
+            {"s": 100},
+            115,
+            False,
+            3,
+            [1, 2],
+        ),
+        # A chunk held by one entry goes with it.
+        ({1: (10, 1, ("a",)), 2: (10, 2, ("b",))}, {"a": 50, "b": 50}, 60, False, 2, [1]),
         # Memory pressure: everything but the newest.
-        ({1: (10, 1), 2: (10, 2), 3: (10, 3)}, BIG, True, 3, [1, 2]),
-        ({1: (10, 1), 2: (10, 2)}, BIG, True, None, [1, 2]),
+        ({1: (10, 1, ("s",)), 2: (10, 2, ("s",)), 3: (10, 3, ())}, {"s": 5}, BIG, True, 3, [1, 2]),
     ],
 )
 def test_choose_evictions(
-    spec: dict[int, tuple[int, int]],
+    spec: dict[int, tuple[int, int, tuple[str, ...]]],
+    chunks: dict[str, int],
     budget: int,
     pressure: bool,
     keep: int | None,
     victims: list[int],
 ) -> None:
-    entries = _entries(spec)
-    chosen = choose_evictions(entries, budget, pressure, keep)
-    assert sorted(chosen) == sorted(victims)
-    kept = sum(e.nbytes for i, e in entries.items() if i not in chosen)
+    entries = _footprints(spec)
+    chunk_bytes = {name.encode(): size for name, size in chunks.items()}
+    chosen = choose_evictions(entries, chunk_bytes, budget, pressure, keep)
+    assert chosen == victims
+    left = [e for i, e in entries.items() if i not in chosen]
+    held = {c for e in left for c in e.chunks}
     if not pressure:
-        assert kept <= budget
+        assert sum(e.own_nbytes for e in left) + sum(chunk_bytes[c] for c in held) <= budget
 
 
 def test_lru_eviction_order_and_budget() -> None:
@@ -475,9 +473,10 @@ def test_lru_eviction_order_and_budget() -> None:
     assert (stats.entries, stats.bytes, stats.evictions) == (3, 3 * size, 2)
 
     # A bigger entry pushes out as many old ones as it needs.
-    big = store_fresh(cache, seq(600, 60_000))
+    big = store_fresh(cache, seq(25, 60_000))
     assert cache.stats().bytes <= cache.byte_budget
-    assert cache.lookup(seq(601, 60_000)).entry_id == big
+    assert cache.stats().entries == 1
+    assert cache.lookup(seq(26, 60_000)).entry_id == big
 
 
 @pytest.mark.parametrize("budget_entries", [1, 2, 5])
@@ -488,7 +487,7 @@ def test_byte_budget_always_respected(budget_entries: int) -> None:
     stored: set[int] = set()
     for k in range(30):
         n = rng.randint(1, 600)
-        entry_id = cache.store(seq(n, 10_000 * k), kv_layers(n), PrefixMatch(None, 0, n + 1))
+        entry_id = cache.store(seq(n, 10_000 * k), kv_layers(n))
         stats = cache.stats()
         assert stats.bytes <= budget
         alive = [i for i in (*stored, entry_id) if i is not None and _alive(cache, i)]
@@ -514,7 +513,8 @@ def test_entry_larger_than_budget_is_not_kept_and_evicts_nothing() -> None:
     cache = KVPrefixCache(byte_budget=2 * kv_bytes(10))
     small = store_fresh(cache, A[:10])
     before = cache.stats()
-    huge = cache.store(B[:1000], kv_layers(1000), cache.lookup(B[:1001]))
+    cache.lookup(B[:1001])
+    huge = cache.store(B[:1000], kv_layers(1000))
     assert huge is None
     assert cache.lookup(B[:1001]).entry_id is None
     assert cache.lookup(A[:11]).entry_id == small
@@ -623,17 +623,6 @@ def test_rotating_cache_written_in_place_does_not_alias() -> None:
         assert layer.offset == 8
 
 
-def test_rotating_cache_below_its_window_is_trimmable() -> None:
-    cache = KVPrefixCache(BIG)
-    entry_id = store_fresh(cache, A[:20], rotating_layers(20, max_size=64))
-    match = cache.lookup((*A[:12], 7))
-    assert match == PrefixMatch(entry_id, 12, 13)
-    restored = cache.restore(match)
-    assert restored is not None
-    assert [layer.offset for layer in restored] == [12, 12]
-    assert [layer.size() for layer in restored] == [12, 12]
-
-
 def test_snapshots_at_chunk_boundaries_serve_the_deepest_usable_one() -> None:
     cache = KVPrefixCache(BIG)
     snaps = {n: store_fresh(cache, A[:n], rotating_layers(n)) for n in (16, 32, 48)}
@@ -740,7 +729,8 @@ def test_stored_entry_is_never_mutated(tiny: tuple[nn.Module, TokenizerWrapper])
     cache = KVPrefixCache(BIG)
     source = make_prompt_cache(model)
     prefill(model, source, prompt)
-    entry_id = cache.store(prompt, source, cache.lookup([*prompt, 5]))
+    cache.lookup([*prompt, 5])
+    entry_id = cache.store(prompt, source)
     assert entry_id is not None
     before = numpy_state(cache.entry_layers(entry_id))
     assert [row[2] for row in before] == [40, 40]  # KVCache offsets
@@ -786,7 +776,8 @@ def test_partial_hit_restore_matches_cold_prefill_exactly(
     cache = KVPrefixCache(BIG)
     source = make_prompt_cache(model)
     prefill(model, source, stored)
-    cache.store(stored, source, cache.lookup([*stored, 1]))
+    cache.lookup([*stored, 1])
+    cache.store(stored, source)
 
     match = cache.lookup(prompt)
     assert match.usable == usable
@@ -818,7 +809,8 @@ def test_rotating_snapshot_restore_matches_cold_prefill(
     for end in range(chunk, len(stored) + 1, chunk):
         prefill(model, source, stored[end - chunk : end])
         assert not all(layer.is_trimmable() for layer in source)
-        cache.store(stored[:end], source, cache.lookup([*stored[:end], 1]))
+        cache.lookup([*stored[:end], 1])
+        cache.store(stored[:end], source)
     assert cache.stats().entries == 3
 
     tail = random_tokens(10, seed=6)
@@ -869,8 +861,8 @@ def test_text_generator_with_cache_matches_cold_generation(
 ) -> None:
     model, tokenizer = tiny
     cache = KVPrefixCache(BIG)
-    warm = TextGenerator(model, tokenizer, cache, prefill_step_tokens=16)
-    cold = TextGenerator(model, tokenizer, None, prefill_step_tokens=16)
+    warm = TextGenerator(LocalModel(model, tokenizer), tokenizer, cache, prefill_step_tokens=16)
+    cold = TextGenerator(LocalModel(model, tokenizer), tokenizer, None, prefill_step_tokens=16)
 
     turn1 = random_tokens(50, seed=7)
     turn2 = [*turn1, *random_tokens(20, seed=8)]  # the conversation continues

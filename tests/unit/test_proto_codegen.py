@@ -70,10 +70,8 @@ def test_messages_round_trip() -> None:
     )
     assert cluster_pb2.EventBatch.FromString(batch.SerializeToString()) == batch
 
-    election = cluster_pb2.ElectionMessage(
-        node_id="n", started_at_ms=5, force_master=False, term=2**64 - 1, master_id="m", last_idx=-1
-    )
-    assert cluster_pb2.ElectionMessage.FromString(election.SerializeToString()) == election
+    answered = cluster_pb2.CommandReply(last_idx=2**62)
+    assert cluster_pb2.CommandReply.FromString(answered.SerializeToString()).last_idx == 2**62
 
     chunk = cluster_pb2.FileChunk(
         offset=1 << 40, data=bytes(range(256)), total_size=(1 << 40) + 256
@@ -88,11 +86,12 @@ def test_service_shape() -> None:
         for m in service.methods
     }
     assert shapes == {
+        "Challenge": ("ChallengeRequest", "ChallengeReply", False, False),
+        "Prove": ("ProofRequest", "SessionGrant", False, False),
         "Hello": ("HelloRequest", "HelloReply", False, False),
-        "SendCommand": ("CommandEnvelope", "Ack", False, False),
+        "SendCommand": ("CommandEnvelope", "CommandReply", False, False),
         "PublishEvents": ("EventBatch", "Ack", False, False),
         "SubscribeEvents": ("SubscribeRequest", "IndexedEventEnvelope", False, True),
-        "Elect": ("ElectionMessage", "ElectionMessage", False, False),
         "ListModelFiles": ("ListModelFilesRequest", "ModelFileList", False, False),
         "FetchFile": ("FetchFileRequest", "FileChunk", False, True),
     }

@@ -11,6 +11,7 @@ from exo.master.recovery import (
     Recovery,
     broken_instances,
     instances_on,
+    replacement,
 )
 from exo.shared.types.commands import Command, DeleteInstance, PlaceInstance
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
@@ -114,7 +115,7 @@ def kinds(commands: list[Command]) -> list[tuple[str, str]]:
 
 
 def test_recovery_deletes_and_places_again(clock: Clock) -> None:
-    commands = Recovery().commands(PAIR, still_listed=True)
+    commands = Recovery().commands(PAIR, still_listed=True, available_nodes=3)
     assert kinds(commands) == [("delete_instance", "pair"), ("place_instance", M)]
     place = commands[1]
     assert isinstance(place, PlaceInstance)
@@ -122,40 +123,73 @@ def test_recovery_deletes_and_places_again(clock: Clock) -> None:
     assert (place.min_nodes, place.max_nodes) == (1, None)
 
 
+@pytest.mark.parametrize(
+    ("min_nodes", "max_nodes", "available", "expected"),
+    [
+        (1, None, 3, (1, None)),
+        (2, None, 3, (2, None)),  # the request is kept
+        (2, 2, 2, (2, 2)),
+        (2, 3, 5, (2, 3)),
+        (3, None, 2, (2, None)),  # fewer survivors: as many as are left
+        (2, 2, 1, (1, 2)),
+        (2, None, 0, (1, None)),  # none reported yet: the placement says why it fails
+    ],
+)
+def test_a_replacement_keeps_the_request_where_the_survivors_allow(
+    min_nodes: int, max_nodes: int | None, available: int, expected: tuple[int, int | None]
+) -> None:
+    placed = PAIR.model_copy(update={"min_nodes": min_nodes, "max_nodes": max_nodes})
+    again = replacement(placed, available)
+    assert (again.min_nodes, again.max_nodes) == expected
+    assert again.model_id == M and again.instance_id != PAIR.instance_id
+
+
 def test_an_instance_already_gone_is_only_placed(clock: Clock) -> None:
-    assert kinds(Recovery().commands(PAIR, still_listed=False)) == [("place_instance", M)]
+    assert kinds(Recovery().commands(PAIR, still_listed=False, available_nodes=3)) == [
+        ("place_instance", M)
+    ]
 
 
 def test_replacements_stop_after_the_limit_within_the_window(clock: Clock) -> None:
     rec = Recovery()
     ids: set[InstanceId] = set()
     for _ in range(MAX_REPLACEMENTS):
-        commands = rec.commands(PAIR, still_listed=True)
+        commands = rec.commands(PAIR, still_listed=True, available_nodes=3)
         assert kinds(commands) == [("delete_instance", "pair"), ("place_instance", M)]
         ids.add(commands[1].instance_id)
         clock.now += 1
     assert len(ids) == MAX_REPLACEMENTS  # a fresh instance id each time
     # the limit reached: only delete, or nothing at all
-    assert kinds(rec.commands(PAIR, still_listed=True)) == [("delete_instance", "pair")]
-    assert rec.commands(PAIR, still_listed=False) == []
+    assert kinds(rec.commands(PAIR, still_listed=True, available_nodes=3)) == [
+        ("delete_instance", "pair")
+    ]
+    assert rec.commands(PAIR, still_listed=False, available_nodes=3) == []
     # another model has its own budget
-    assert kinds(rec.commands(TRIO_N, still_listed=False)) == [("place_instance", N)]
+    assert kinds(rec.commands(TRIO_N, still_listed=False, available_nodes=3)) == [
+        ("place_instance", N)
+    ]
     # once the first placement is older than the window, one more is allowed
     clock.now = 1000.0 + WINDOW_SECONDS
-    assert kinds(rec.commands(PAIR, still_listed=False)) == [("place_instance", M)]
-    assert rec.commands(PAIR, still_listed=False) == []
+    assert kinds(rec.commands(PAIR, still_listed=False, available_nodes=3)) == [
+        ("place_instance", M)
+    ]
+    assert rec.commands(PAIR, still_listed=False, available_nodes=3) == []
     clock.now += WINDOW_SECONDS  # all of them older than the window
     for _ in range(MAX_REPLACEMENTS):
-        assert kinds(rec.commands(PAIR, still_listed=False)) == [("place_instance", M)]
-    assert rec.commands(PAIR, still_listed=False) == []
+        assert kinds(rec.commands(PAIR, still_listed=False, available_nodes=3)) == [
+            ("place_instance", M)
+        ]
+    assert rec.commands(PAIR, still_listed=False, available_nodes=3) == []
 
 
 def test_refused_attempts_do_not_extend_the_window(clock: Clock) -> None:
     rec = Recovery()
     for _ in range(MAX_REPLACEMENTS):
-        rec.commands(PAIR, still_listed=False)
+        rec.commands(PAIR, still_listed=False, available_nodes=3)
     for _ in range(5):  # refused: not counted
         clock.now += 10
-        assert rec.commands(PAIR, still_listed=False) == []
+        assert rec.commands(PAIR, still_listed=False, available_nodes=3) == []
     clock.now = 1000.0 + WINDOW_SECONDS
-    assert kinds(rec.commands(PAIR, still_listed=False)) == [("place_instance", M)]
+    assert kinds(rec.commands(PAIR, still_listed=False, available_nodes=3)) == [
+        ("place_instance", M)
+    ]

@@ -4,7 +4,13 @@ import random
 
 import pytest
 
-from exo.engine.token_trie import TokenTrie, TrieMatch, _Node, common_prefix_length
+from exo.engine.token_trie import (
+    TokenTrie,
+    TrieMatch,
+    _Node,
+    best_usable,
+    common_prefix_length,
+)
 
 Tokens = tuple[int, ...]
 
@@ -306,3 +312,46 @@ def test_random_against_oracle(seed: int, alphabet: int) -> None:
     for key in list(stored):
         trie.remove(key, stored.pop(key))
     assert trie._root.children == {}
+
+
+# --- best_usable: which stored sequence a query restores, and how much of it -------
+
+# key -> (tokens, trimmable); recency is the key itself (higher: more recently used).
+USABLE_STORED: dict[int, tuple[Tokens, bool]] = {
+    1: ((1, 2, 3, 4, 5, 6, 7, 8), True),
+    2: ((1, 2, 3, 4, 9, 9), True),
+    3: ((1, 2, 3), False),
+    4: ((1, 2, 3, 4, 5, 6), False),
+    5: ((7, 7, 7), False),
+}
+
+
+@pytest.mark.parametrize(
+    ("query", "stored", "expected"),
+    [
+        # A trimmable sequence is cut back to the match; the most recent of several wins.
+        ((1, 2, 3, 4, 0, 0), [1, 2], (2, 4)),
+        ((1, 2, 3, 4, 5, 0), [1, 2], (1, 5)),
+        # At most all but the query's last token.
+        ((1, 2, 3, 4, 5, 6, 7, 8), [1], (1, 7)),
+        ((1, 2), [1], (1, 1)),
+        # A non-trimmable one serves only whole, ending before the query's last token.
+        ((1, 2, 3, 4, 5, 6, 0), [3, 4], (4, 6)),
+        ((1, 2, 3, 4, 5, 6), [3, 4], (3, 3)),
+        ((1, 2, 3, 4, 5, 0), [3, 4], (3, 3)),
+        ((1, 2, 3), [3], (None, 0)),
+        # A non-trimmable checkpoint past the trimmable match is still better.
+        ((1, 2, 3, 4, 5, 6, 0), [2, 4], (4, 6)),
+        # Nothing shared, or a single-token query.
+        ((7, 7, 0), [1, 2, 3], (None, 0)),
+        ((7,), [5], (None, 0)),
+        ((), [1], (None, 0)),
+    ],
+)
+def test_best_usable(query: Tokens, stored: list[int], expected: tuple[int | None, int]) -> None:
+    trie = TokenTrie()
+    for key in stored:
+        trie.insert(key, USABLE_STORED[key][0])
+    found = trie.match(query)
+    trimmable = lambda key: USABLE_STORED[key][1]  # noqa: E731
+    assert best_usable(found, len(query) - 1, trimmable, recency=lambda key: key) == expected

@@ -1,5 +1,9 @@
-"""OpenAI-style error responses."""
+"""Error responses in the format of the API a route belongs to: Anthropic's for
+`/v1/messages…`, OpenAI's everywhere else."""
 
+import json
+import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +23,7 @@ class APIError(Exception):
         error_type: str,
         code: str | None = None,
         param: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -26,9 +31,80 @@ class APIError(Exception):
         self.error_type = error_type
         self.code = code
         self.param = param
+        self.headers = dict(headers or {})  # e.g. Retry-After
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.error_type, self.code, self.param)
+
+
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+RESPONSES_PATH_PREFIX = "/v1/responses"
+
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's error type for an HTTP status."""
+    default = "api_error" if status >= 500 else "invalid_request_error"
+    return _ANTHROPIC_ERROR_TYPES.get(status, default)
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """An Anthropic error: the body of a failed response, or a stream's `error` event."""
+    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
+
+
+def _response(
+    request: Request,
+    status: int,
+    openai_body: dict[str, Any],
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    if request.url.path.startswith(ANTHROPIC_PATH_PREFIX):
+        message = openai_body["error"]["message"]
+        body = anthropic_error_body(status, message)
+        return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(openai_body, status_code=status, headers=headers)
+
+
+def error_response(request: Request, error: APIError) -> JSONResponse:
+    """`error` as the response of the API `request` belongs to."""
+    return _response(request, error.status, error.body(), error.headers)
+
+
+def stream_error_event(path: str, error: APIError) -> str:
+    """`error` as the SSE event that ends a stream of the API at `path` (its
+    status was sent already)."""
+    if path.startswith(ANTHROPIC_PATH_PREFIX):
+        payload = anthropic_error_body(error.status, error.message)
+        return f"event: error\ndata: {json.dumps(payload)}\n\n"
+    if path.startswith(RESPONSES_PATH_PREFIX):
+        payload = {"type": "error", "code": error.code, "message": error.message, "param": None}
+        return f"event: error\ndata: {json.dumps(payload)}\n\n"
+    return f"data: {json.dumps(error.body())}\n\n"
+
+
+def internal_error(
+    detail: str, code: str = "internal_error", exception: BaseException | None = None
+) -> APIError:
+    """A 500 that tells the client only an id: exception text may show paths,
+    prompts or other clients' data. `detail` (and `exception`'s traceback) go
+    to the log under that id."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.opt(exception=exception).error(f"internal error (id {error_id}): {detail}")
+    return APIError(
+        500, f"internal error (id {error_id}); see the node's log", "server_error", code
+    )
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -41,34 +117,29 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     message = str(first.get("msg", "invalid request"))
+    if first.get("type") == "extra_forbidden":
+        message = "unknown parameter; exo does not support it"
     return (f"{param}: {message}" if param else message), param
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return error_response(request, error)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, error: Exception) -> JSONResponse:
-        logger.opt(exception=error).error("unhandled error in the API")
-        return JSONResponse(
-            error_body(f"internal error: {type(error).__name__}: {error}", "server_error", None),
-            status_code=500,
-        )
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        detail = f"unhandled error on {request.method} {request.url.path}"
+        return error_response(request, internal_error(detail, exception=error))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(error)
-        return JSONResponse(
-            error_body(message, "invalid_request_error", "invalid_request", param),
-            status_code=400,
-        )
+        body = error_body(message, "invalid_request_error", "invalid_request", param)
+        return _response(request, 400, body)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, error: HTTPException) -> JSONResponse:
-        code = "not_found" if error.status_code == 404 else None
-        return JSONResponse(
-            error_body(str(error.detail), "invalid_request_error", code),
-            status_code=error.status_code,
-        )
+    async def _http(request: Request, error: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 413: "request_too_large"}.get(error.status_code)
+        body = error_body(str(error.detail), "invalid_request_error", code)
+        return _response(request, error.status_code, body)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, ValidationError
 from exo.api.errors import APIError
 from exo.master.placement import PlacementError, PlacementRequest, preview
 from exo.models.cards import ModelCardError
+from exo.models.file_source import DownloadError, SourceUnavailable, TransientError
 from exo.models.hub_card import card_from_source
 from exo.models.store import InvalidModelId, validate_model_id
 from exo.shared.cluster_view import ClusterView
@@ -23,12 +24,10 @@ from exo.shared.types.ids import InstanceId, ModelId, NodeId, new_instance_id
 from exo.shared.types.model_card import ModelCard
 from exo.shared.types.state import Instance, InstanceRank, State
 from exo.worker.downloads.hub import HubSource, hub_enabled
-from exo.worker.downloads.source import DownloadError, SourceUnavailable, TransientError
 
 HUB_CARD_TIMEOUT_SECONDS = 60.0
 # How long POST /place_instance waits for the new instance to show in the state.
 PLACED_WAIT_SECONDS = 10.0
-AWAIT_POLL_SECONDS = 0.5
 AWAIT_DEFAULT_TIMEOUT_SECONDS = 600.0
 MAX_AWAIT_TIMEOUT_SECONDS = 86_400.0
 AWAIT_KEEPALIVE_SECONDS = 10.0
@@ -81,14 +80,13 @@ def instance_view(state: State, instance: Instance) -> dict[str, Any]:
 
 def instance_routes(
     cluster: ClusterView,
-    command: Callable[[Command], Awaitable[None]],
+    command: Callable[[Command], Awaitable[int]],
     delete_model_files: Callable[[ModelId], Awaitable[bool]] | None = None,
 ) -> APIRouter:
     router = APIRouter()
 
     async def known_card(model_id: ModelId) -> ModelCard:
-        """The model's card: from the state, else from the hub (then shared with
-        the cluster)."""
+        """The model's card: from the state, else from the hub."""
         card = cluster.state.cards.get(model_id)
         if card is not None:
             return card
@@ -122,19 +120,11 @@ def instance_routes(
             raise APIError(
                 400, f"cannot describe {model_id}: {error}", "invalid_request_error", "bad_model"
             ) from error
-        cluster.publish(ModelCardPublished(card=card))
-        # The master decides placements from its state: wait (bounded) until the
-        # card is indexed, so a placement right after this sees it.
-        with anyio.move_on_after(PLACED_WAIT_SECONDS):
-            while model_id not in cluster.state.cards:
-                await anyio.sleep(0.05)
         return card
 
-    async def placed(instance_id: InstanceId) -> dict[str, Any]:
-        """The instance once this node's state shows it (bounded wait)."""
-        with anyio.move_on_after(PLACED_WAIT_SECONDS):
-            while instance_id not in cluster.state.instances:
-                await anyio.sleep(0.05)
+    async def placed(instance_id: InstanceId, last_idx: int) -> dict[str, Any]:
+        """The instance once this node applied the command's last event (bounded wait)."""
+        await cluster.wait_until(last_idx, PLACED_WAIT_SECONDS)
         instance = cluster.state.instances.get(instance_id)
         if instance is None:
             return {"instance_id": instance_id, "status": "placed"}
@@ -148,25 +138,28 @@ def instance_routes(
         node = NodeId(body.node_id) if body.node_id else cluster.node_id
         instance_id = new_instance_id()
         rank = InstanceRank(node_id=node, start_layer=0, end_layer=card.n_layers)
-        await command(CreateInstance(instance_id=instance_id, model_id=model_id, ranks=(rank,)))
-        return await placed(instance_id)
+        last_idx = await command(
+            CreateInstance(instance_id=instance_id, model_id=model_id, ranks=(rank,), card=card)
+        )
+        return await placed(instance_id, last_idx)
 
     @router.post("/place_instance", status_code=201)
     async def place_instance(body: PlaceRequest) -> dict[str, Any]:
         """Let the master place a model across the cluster's nodes; their workers
         fetch what their ranks need, then start the runners."""
         model_id = model_id_param(body.model_id)
-        await known_card(model_id)
+        card = await known_card(model_id)
         instance_id = new_instance_id()
-        await command(
+        last_idx = await command(
             PlaceInstance(
                 instance_id=instance_id,
                 model_id=model_id,
                 min_nodes=body.min_nodes,
                 max_nodes=body.max_nodes,
+                card=card,  # the master publishes it with the instance if it is new
             )
         )
-        return await placed(instance_id)
+        return await placed(instance_id, last_idx)
 
     @router.get("/instance/previews")
     async def instance_previews(
@@ -174,9 +167,11 @@ def instance_routes(
     ) -> dict[str, Any]:
         """Every feasible placement of a model on the cluster, best first, or why none fits."""
         card = await known_card(model_id_param(model_id))
+        if card.model_id not in cluster.state.cards:
+            cluster.publish(ModelCardPublished(card=card))  # a hub model: the cluster knows it now
         try:
             request = PlacementRequest(min_nodes=min_nodes, max_nodes=max_nodes)
-            placements = preview(card, cluster.state, None, request)
+            placements = preview(card, cluster.state, request)
         except (PlacementError, ValidationError) as error:
             raise APIError(
                 400, str(error), "invalid_request_error", "placement_infeasible"
@@ -245,7 +240,7 @@ def instance_routes(
                 if payload != last:
                     yield f"data: {payload}\n\n"
                     last, last_sent = payload, time.monotonic()
-                elif time.monotonic() - last_sent > AWAIT_KEEPALIVE_SECONDS:
+                elif time.monotonic() - last_sent >= AWAIT_KEEPALIVE_SECONDS:
                     yield ": keep-alive\n\n"
                     last_sent = time.monotonic()
                 if status != "waiting":
@@ -253,7 +248,10 @@ def instance_routes(
                 if time.monotonic() >= deadline:
                     yield f"data: {json.dumps({'status': 'timeout', 'instances': views})}\n\n"
                     return
-                await anyio.sleep(AWAIT_POLL_SECONDS)
+                # Until the next event is applied (the status changes only then),
+                # the deadline or a keep-alive is due.
+                wake_at = min(deadline, last_sent + AWAIT_KEEPALIVE_SECONDS)
+                await cluster.wait_until(state.last_idx + 1, max(0.0, wake_at - time.monotonic()))
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 

@@ -1,43 +1,79 @@
-"""Cluster secret on every gRPC call.
+"""Who may use a node's cluster link: the holders of the cluster secret.
 
-The secret travels in the metadata key `x-exo-cluster-secret` of every RPC.
-The server side (`ClusterSecretInterceptor`) rejects any call whose secret is
-missing or wrong with UNAUTHENTICATED and logs it; the client side attaches the
-secret with interceptors (`client_interceptors`, `cluster_channel`) or explicit
-call metadata (`secret_metadata`).
+The link runs over TLS (`exo.cluster.tls`: a self-signed certificate per node,
+which the caller reads and then trusts exactly). A caller proves it knows the
+secret without sending it, in two calls that need no session:
 
-The empty string is a valid secret, distinct from every other: clusters started
-without `--cluster-secret` share it, so they still send the key (with an empty
-value), and a call without the key is rejected even by them.
+1. `Challenge(client_nonce)` -> `server_nonce`, `server_proof`
+2. `Prove(client_nonce, server_nonce, client_proof, node_id)` -> a session token
 
-Secrets are gRPC ASCII metadata values, so they must be printable ASCII
-(`validate_secret` says so clearly instead of letting gRPC fail obscurely).
+with `proof(role) = HMAC-SHA256(secret, role || client_nonce || server_nonce ||
+sha256(server certificate) [|| the caller's node id])`. The server proves first and the caller checks
+it, so a server that does not know the secret gets no proof from the caller.
+Both proofs are bound to the server's certificate, which the TLS channel has
+verified: a party in the middle (another certificate) can pass on neither. A
+server nonce is good for one `Prove` within `CHALLENGE_SECONDS`, so a proof
+cannot be replayed.
+
+The token rides in the metadata key `x-exo-session` of every other call; it is
+`expires_ms.nonce.node.HMAC(secret, "exo-session" || certificate fingerprint ||
+nonce || node || expires_ms)`: checked without state, valid on this server
+only, for `SESSION_SECONDS`, and it names the node that proved (`caller`). A call without a valid token is refused with UNAUTHENTICATED
+before its handler runs, and logged (rate-limited).
+
+The empty secret is a secret like any other, known to everybody: a cluster
+started without `--cluster-secret` lets in anyone who can reach it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Literal, TypeVar
 
+import anyio
+import anyio.to_thread
 import grpc
 import grpc.aio
 from loguru import logger
 
-SECRET_METADATA_KEY = "x-exo-cluster-secret"
+from exo.cluster.proto import cluster_pb2 as pb
+from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
+from exo.cluster.tls import CERTIFICATE_HOST, fingerprint, peer_certificate
+from exo.shared.types.ids import NodeId
+
+SESSION_METADATA_KEY = "x-exo-session"
+NONCE_BYTES = 32
+# How long a session token is valid; callers renew it before then.
+SESSION_SECONDS = 600.0
+# How long a server nonce waits for its Prove.
+CHALLENGE_SECONDS = 10.0
+# Server nonces waiting for their Prove, at most (a flood of Challenges must
+# not grow memory; the oldest are dropped).
+PENDING_CHALLENGES = 4096
+# How long reading a peer's certificate and authenticating may take.
+HANDSHAKE_TIMEOUT_SECONDS = 2.0
+# At most one warning per (peer, what, reason) per this many seconds; the
+# calls in between are still refused and counted in the next warning.
+DEFAULT_LOG_INTERVAL_S = 10.0
+
+_OPEN_METHODS = frozenset({"/exo.cluster.Cluster/Challenge", "/exo.cluster.Cluster/Prove"})
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
 
-# At most one warning per (peer, method, reason) per this many seconds; the
-# calls in between are still rejected and counted in the next warning.
-DEFAULT_LOG_INTERVAL_S = 10.0
+Role = Literal["exo-server", "exo-client"]
 
 
 def validate_secret(secret: str) -> str:
-    """Return `secret` if it can travel as gRPC metadata; raise ValueError otherwise."""
+    """Return `secret` if it is printable ASCII (a value a shell passes
+    unchanged); raise ValueError otherwise."""
     bad = sorted({c for c in secret if not " " <= c <= "~"})
     if bad:
         raise ValueError(
@@ -47,86 +83,35 @@ def validate_secret(secret: str) -> str:
     return secret
 
 
-def secret_fingerprint(secret: str) -> str:
-    """A short, log-safe identifier of a secret: the first 12 hex digits of its sha256."""
-    return hashlib.sha256(secret.encode("utf-8")).hexdigest()[:12]
+def proof(
+    secret: str,
+    role: Role,
+    client_nonce: bytes,
+    server_nonce: bytes,
+    server_fingerprint: bytes,
+    caller: str = "",
+) -> bytes:
+    """What a side sends to prove it knows `secret`, bound to both nonces, the
+    server's certificate and (the caller's proof) the caller's node id."""
+    message = role.encode() + client_nonce + server_nonce + server_fingerprint + caller.encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).digest()
 
 
-def secret_metadata(secret: str) -> tuple[tuple[str, str]]:
-    """Call metadata carrying `secret` (for `stub.Method(request, metadata=...)`)."""
-    return ((SECRET_METADATA_KEY, validate_secret(secret)),)
-
-
-def _presented_secrets(handler_call_details: grpc.HandlerCallDetails) -> list[str | bytes]:
-    return [
-        value
-        for key, value in handler_call_details.invocation_metadata or ()
-        if key == SECRET_METADATA_KEY
-    ]
-
-
-def _as_str(value: str | bytes) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-
-
-def _digest(secret: str | bytes) -> bytes:
-    # Comparing digests keeps the comparison constant-time in the secret's length too.
-    return hashlib.sha256(_as_str(secret).encode("utf-8")).digest()
-
-
-def _method_name(handler_call_details: grpc.HandlerCallDetails) -> str:
-    method: str | bytes = handler_call_details.method  # bytes in some grpc versions
-    return _as_str(method)
-
-
-class ClusterSecretInterceptor(grpc.aio.ServerInterceptor):
-    """Server interceptor that lets through only calls carrying the cluster secret.
-
-    A call whose `x-exo-cluster-secret` is missing or differs from the secret is
-    answered with UNAUTHENTICATED (before the method's handler runs or reads any
-    request) and a warning naming the peer and the method is logged.
-    """
+class RejectionLog:
+    """Warnings about refused callers, at most one per (peer, what, reason)
+    per interval; the next one counts the calls not logged."""
 
     def __init__(
         self,
-        secret: str,
-        *,
         log_interval_s: float = DEFAULT_LOG_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._expected = _digest(validate_secret(secret))
-        self._fingerprint = secret_fingerprint(secret)
         self._log_interval_s = log_interval_s
         self._clock = clock
-        # (peer, method, reason) -> (monotonic time of the last warning, calls not logged since)
         self._last_logged: dict[tuple[str, str, str], tuple[float, int]] = {}
 
-    def _authentic(self, presented: list[str | bytes]) -> bool:
-        # Exactly one value: a call carrying several (even if one is right) is rejected.
-        return len(presented) == 1 and hmac.compare_digest(_digest(presented[0]), self._expected)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[_Req, _Resp] | None]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
-        presented = _presented_secrets(handler_call_details)
-        if self._authentic(presented):
-            return await continuation(handler_call_details)
-        if presented:
-            theirs = ", ".join(secret_fingerprint(_as_str(p)) for p in presented)
-            reason, facts = "wrong", f"theirs: {theirs}, ours: {self._fingerprint}"
-        else:
-            reason, facts = "missing", f"ours: {self._fingerprint}"
-        # The real handler only tells which shape of handler the rejection needs;
-        # an unknown method is rejected the same way (no UNIMPLEMENTED probing).
-        handler = await continuation(handler_call_details)
-        return self._rejecting_handler(handler, _method_name(handler_call_details), reason, facts)
-
-    def _log_rejection(self, peer: str, method: str, reason: str, facts: str) -> None:
-        key = (peer, method, reason)
+    def warn(self, peer: str, what: str, reason: str) -> None:
+        key = (peer, what, reason)
         now = self._clock()
         last, suppressed = self._last_logged.get(key, (None, 0))
         if last is not None and now - last < self._log_interval_s:
@@ -136,67 +121,193 @@ class ClusterSecretInterceptor(grpc.aio.ServerInterceptor):
             self._last_logged.clear()
         self._last_logged[key] = (now, 0)
         logger.warning(
-            "gRPC: rejected {} from {}: {} cluster secret (fingerprints {}){}",
-            method,
+            "cluster link: refused {} from {}: {}{}",
+            what,
             peer,
             reason,
-            facts,
-            f"; {suppressed} similar calls rejected without logging" if suppressed else "",
+            f"; {suppressed} similar calls refused without logging" if suppressed else "",
         )
 
-    def _rejecting_handler(
-        self,
-        handler: grpc.RpcMethodHandler[_Req, _Resp] | None,
-        method: str,
-        reason: str,
-        facts: str,
-    ) -> grpc.RpcMethodHandler[_Req, _Resp]:
-        if reason == "missing":
-            message = (
-                f"missing cluster secret: every call to an exo node must carry its cluster's "
-                f"secret in the metadata key {SECRET_METADATA_KEY!r}"
-            )
-        else:
-            message = (
-                f"wrong cluster secret (metadata {SECRET_METADATA_KEY!r}): the caller belongs "
-                "to another cluster (started with a different --cluster-secret)"
-            )
 
-        async def reject(_request: object, context: grpc.aio.ServicerContext[_Req, _Resp]) -> None:
-            self._log_rejection(context.peer(), method, reason, facts)
+class ServerAuth:
+    """The server's side: answers challenges, checks proofs, issues and checks tokens."""
+
+    def __init__(
+        self,
+        secret: str,
+        certificate_fingerprint: bytes,
+        rejections: RejectionLog | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._secret = validate_secret(secret)
+        self._fingerprint = certificate_fingerprint
+        self.rejections = rejections or RejectionLog()
+        self._clock = clock
+        self._pending: OrderedDict[bytes, float] = OrderedDict()  # server nonce -> deadline
+
+    def challenge(self, request: pb.ChallengeRequest) -> pb.ChallengeReply:
+        now = self._clock()
+        while self._pending and (
+            len(self._pending) >= PENDING_CHALLENGES or next(iter(self._pending.values())) < now
+        ):
+            self._pending.popitem(last=False)
+        server_nonce = secrets.token_bytes(NONCE_BYTES)
+        self._pending[server_nonce] = now + CHALLENGE_SECONDS
+        server_proof = proof(
+            self._secret, "exo-server", request.client_nonce, server_nonce, self._fingerprint
+        )
+        return pb.ChallengeReply(server_nonce=server_nonce, server_proof=server_proof)
+
+    def prove(self, request: pb.ProofRequest, peer: str) -> pb.SessionGrant | None:
+        """A session for a right proof of a pending challenge; None (logged) otherwise."""
+        deadline = self._pending.pop(request.server_nonce, None)
+        if deadline is None or deadline < self._clock():
+            self.rejections.warn(peer, "a proof", "no such challenge pending (expired or replayed)")
+            return None
+        expected = proof(
+            self._secret,
+            "exo-client",
+            request.client_nonce,
+            request.server_nonce,
+            self._fingerprint,
+            request.node_id,
+        )
+        if not hmac.compare_digest(expected, request.client_proof):
+            self.rejections.warn(peer, "a proof", "wrong cluster secret (another cluster?)")
+            return None
+        expires_ms = int((self._clock() + SESSION_SECONDS) * 1000)
+        return pb.SessionGrant(
+            token=self._token(secrets.token_bytes(16), request.node_id.encode(), expires_ms),
+            valid_for_ms=int(SESSION_SECONDS * 1000),
+        )
+
+    def _token(self, nonce: bytes, node: bytes, expires_ms: int) -> str:
+        message = b"exo-session" + self._fingerprint + nonce + node + str(expires_ms).encode()
+        mac = hmac.new(self._secret.encode(), message, hashlib.sha256).hexdigest()
+        return f"{expires_ms}.{nonce.hex()}.{node.hex()}.{mac}"
+
+    def caller(self, token: str) -> NodeId | None:
+        """The node a valid, unexpired `token` speaks for; None for any other token."""
+        parts = token.split(".")
+        if len(parts) != 4 or not parts[0].isdigit():
+            return None
+        expires_ms = int(parts[0])
+        now_ms = self._clock() * 1000
+        if not now_ms < expires_ms <= now_ms + SESSION_SECONDS * 1000:
+            return None
+        try:
+            nonce, node = bytes.fromhex(parts[1]), bytes.fromhex(parts[2])
+        except ValueError:
+            return None
+        if not hmac.compare_digest(self._token(nonce, node, expires_ms), token):
+            return None
+        return NodeId(node.decode("utf-8", "replace"))
+
+    def caller_of(self, context: grpc.aio.ServicerContext[_Req, _Resp]) -> NodeId | None:
+        """The node whose session a call carries (None: none valid; the
+        interceptor already refused such calls)."""
+        tokens = session_tokens(context.invocation_metadata() or ())
+        return self.caller(tokens[0]) if len(tokens) == 1 else None
+
+
+def _as_str(value: str | bytes) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def session_tokens(metadata: Iterable[tuple[str, str | bytes]]) -> list[str]:
+    return [_as_str(value) for key, value in metadata if key == SESSION_METADATA_KEY]
+
+
+class SessionInterceptor(grpc.aio.ServerInterceptor):
+    """Lets through `Challenge`, `Prove` and calls with a valid session token;
+    answers every other call with UNAUTHENTICATED (its handler never runs) and a
+    warning naming the peer and the method."""
+
+    def __init__(self, auth: ServerAuth) -> None:
+        self._auth = auth
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[_Req, _Resp] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[_Req, _Resp] | None:
+        method = _as_str(handler_call_details.method)  # bytes in some grpc versions
+        tokens = session_tokens(handler_call_details.invocation_metadata or ())
+        # Exactly one token: a call carrying several (even if one is right) is refused.
+        if method in _OPEN_METHODS or (
+            len(tokens) == 1 and self._auth.caller(tokens[0]) is not None
+        ):
+            return await continuation(handler_call_details)
+        reason = "an invalid or expired session token" if tokens else "no session token"
+        # The real handler only tells which shape of handler the refusal needs;
+        # an unknown method is refused the same way (no UNIMPLEMENTED probing).
+        handler = await continuation(handler_call_details)
+        return self._refusing_handler(handler, method, reason)
+
+    def _refusing_handler(
+        self, handler: grpc.RpcMethodHandler[_Req, _Resp] | None, method: str, reason: str
+    ) -> grpc.RpcMethodHandler[_Req, _Resp]:
+        message = (
+            f"{reason}: authenticate first (Challenge, Prove) with this cluster's secret, "
+            f"then send the token in the metadata key {SESSION_METADATA_KEY!r}"
+        )
+        rejections = self._auth.rejections
+
+        async def refuse(_request: object, context: grpc.aio.ServicerContext[_Req, _Resp]) -> None:
+            rejections.warn(context.peer(), method, reason)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-        async def reject_stream(
+        async def refuse_stream(
             request: object, context: grpc.aio.ServicerContext[_Req, _Resp]
         ) -> AsyncIterator[_Resp]:
-            await reject(request, context)
+            await refuse(request, context)
             return
             yield  # an async generator, as grpc.aio expects of streaming responses
 
         if handler is None:
-            return grpc.unary_unary_rpc_method_handler(reject)
+            return grpc.unary_unary_rpc_method_handler(refuse)
         deserializer = handler.request_deserializer
         serializer = handler.response_serializer
         if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(reject_stream, deserializer, serializer)
+            return grpc.stream_stream_rpc_method_handler(refuse_stream, deserializer, serializer)
         if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(reject, deserializer, serializer)
+            return grpc.stream_unary_rpc_method_handler(refuse, deserializer, serializer)
         if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(reject_stream, deserializer, serializer)
-        return grpc.unary_unary_rpc_method_handler(reject, deserializer, serializer)
+            return grpc.unary_stream_rpc_method_handler(refuse_stream, deserializer, serializer)
+        return grpc.unary_unary_rpc_method_handler(refuse, deserializer, serializer)
 
 
-class _AttachSecret:
-    """Base of the client interceptors: puts the secret in a call's metadata."""
+# -- the caller's side -------------------------------------------------------------
 
-    def __init__(self, secret: str) -> None:
-        self._secret = validate_secret(secret)
 
-    def _with_secret(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        # Replace any secret the caller passed, keep the rest of its metadata.
+class LinkError(Exception):
+    """No session with a peer: it cannot be reached (`refused`: nothing listens
+    at its address, e.g. its process died), or it is not of this cluster
+    (`untrusted`: it did not prove the secret, or refused ours)."""
+
+    def __init__(self, message: str, *, untrusted: bool = False, refused: bool = False) -> None:
+        super().__init__(message)
+        self.untrusted = untrusted
+        self.refused = refused
+
+
+@dataclass
+class _Token:
+    value: str = ""
+
+
+class _AttachToken:
+    """Base of the client interceptors: puts the session token in a call's metadata."""
+
+    def __init__(self, token: _Token) -> None:
+        self._token = token
+
+    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(
-            *((k, v) for k, v in (details.metadata or ()) if k != SECRET_METADATA_KEY),
-            (SECRET_METADATA_KEY, self._secret),
+            *((k, v) for k, v in (details.metadata or ()) if k != SESSION_METADATA_KEY),
+            (SESSION_METADATA_KEY, self._token.value),
         )
         return grpc.aio.ClientCallDetails(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
@@ -204,7 +315,7 @@ class _AttachSecret:
 
 
 # grpc.aio files each client interceptor under one call shape only, hence four classes.
-class SecretUnaryUnaryInterceptor(_AttachSecret, grpc.aio.UnaryUnaryClientInterceptor):
+class _UnaryUnary(_AttachToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
         self,
         continuation: Callable[
@@ -213,10 +324,10 @@ class SecretUnaryUnaryInterceptor(_AttachSecret, grpc.aio.UnaryUnaryClientInterc
         client_call_details: grpc.aio.ClientCallDetails,
         request: _Req,
     ) -> _Resp | grpc.aio.UnaryUnaryCall[_Req, _Resp]:
-        return await continuation(self._with_secret(client_call_details), request)
+        return await continuation(self._with_token(client_call_details), request)
 
 
-class SecretUnaryStreamInterceptor(_AttachSecret, grpc.aio.UnaryStreamClientInterceptor):
+class _UnaryStream(_AttachToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
         self,
         continuation: Callable[
@@ -225,10 +336,10 @@ class SecretUnaryStreamInterceptor(_AttachSecret, grpc.aio.UnaryStreamClientInte
         client_call_details: grpc.aio.ClientCallDetails,
         request: _Req,
     ) -> AsyncIterator[_Resp] | grpc.aio.UnaryStreamCall[_Req, _Resp]:
-        return await continuation(self._with_secret(client_call_details), request)
+        return await continuation(self._with_token(client_call_details), request)
 
 
-class SecretStreamUnaryInterceptor(_AttachSecret, grpc.aio.StreamUnaryClientInterceptor):
+class _StreamUnary(_AttachToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
         self,
         continuation: Callable[
@@ -238,10 +349,10 @@ class SecretStreamUnaryInterceptor(_AttachSecret, grpc.aio.StreamUnaryClientInte
         client_call_details: grpc.aio.ClientCallDetails,
         request_iterator: AsyncIterable[_Req] | Iterable[_Req],
     ) -> _Resp | grpc.aio.StreamUnaryCall[_Req, _Resp]:
-        return await continuation(self._with_secret(client_call_details), request_iterator)
+        return await continuation(self._with_token(client_call_details), request_iterator)
 
 
-class SecretStreamStreamInterceptor(_AttachSecret, grpc.aio.StreamStreamClientInterceptor):
+class _StreamStream(_AttachToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(
         self,
         continuation: Callable[
@@ -251,25 +362,115 @@ class SecretStreamStreamInterceptor(_AttachSecret, grpc.aio.StreamStreamClientIn
         client_call_details: grpc.aio.ClientCallDetails,
         request_iterator: AsyncIterable[_Req] | Iterable[_Req],
     ) -> AsyncIterator[_Resp] | grpc.aio.StreamStreamCall[_Req, _Resp]:
-        return await continuation(self._with_secret(client_call_details), request_iterator)
+        return await continuation(self._with_token(client_call_details), request_iterator)
 
 
-def client_interceptors(secret: str) -> list[grpc.aio.ClientInterceptor]:
-    """Client interceptors that put `secret` on every call of a channel, of any shape."""
-    return [
-        SecretUnaryUnaryInterceptor(secret),
-        SecretUnaryStreamInterceptor(secret),
-        SecretStreamUnaryInterceptor(secret),
-        SecretStreamStreamInterceptor(secret),
-    ]
+class PeerSession:
+    """A TLS channel to one peer that trusts exactly the peer's certificate,
+    with a session token on every call (renewed with `authenticate`)."""
+
+    def __init__(self, address: str, secret: str, node_id: NodeId, certificate_pem: bytes) -> None:
+        self.address = address
+        self._secret = validate_secret(secret)
+        self._node_id = node_id
+        self._fingerprint = fingerprint(certificate_pem)
+        self._token = _Token()
+        self._expires_at = 0.0  # monotonic
+        self.channel = grpc.aio.secure_channel(
+            address,
+            grpc.ssl_channel_credentials(root_certificates=certificate_pem),
+            options=[("grpc.ssl_target_name_override", CERTIFICATE_HOST)],
+            interceptors=[
+                _UnaryUnary(self._token),
+                _UnaryStream(self._token),
+                _StreamUnary(self._token),
+                _StreamStream(self._token),
+            ],
+        )
+
+    @property
+    def stub(self) -> pb_grpc.ClusterStub:
+        return pb_grpc.ClusterStub(self.channel)
+
+    def expiring(self) -> bool:
+        """The token has less than a tenth of its life left."""
+        return time.monotonic() > self._expires_at - SESSION_SECONDS / 10
+
+    async def authenticate(self, timeout: float = HANDSHAKE_TIMEOUT_SECONDS) -> None:
+        """Challenge the peer, check its proof, prove ours, keep the token.
+        Raises `LinkError`."""
+        client_nonce = secrets.token_bytes(NONCE_BYTES)
+        try:
+            reply: pb.ChallengeReply = await self.stub.Challenge(
+                pb.ChallengeRequest(client_nonce=client_nonce), timeout=timeout
+            )
+            expected = proof(
+                self._secret, "exo-server", client_nonce, reply.server_nonce, self._fingerprint
+            )
+            if not hmac.compare_digest(expected, reply.server_proof):
+                raise LinkError(
+                    f"{self.address} did not prove our cluster secret (another cluster?)",
+                    untrusted=True,
+                )
+            client_proof = proof(
+                self._secret,
+                "exo-client",
+                client_nonce,
+                reply.server_nonce,
+                self._fingerprint,
+                self._node_id,
+            )
+            grant: pb.SessionGrant = await self.stub.Prove(
+                pb.ProofRequest(
+                    client_nonce=client_nonce,
+                    server_nonce=reply.server_nonce,
+                    client_proof=client_proof,
+                    node_id=self._node_id,
+                ),
+                timeout=timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            untrusted = error.code() == grpc.StatusCode.UNAUTHENTICATED
+            raise LinkError(
+                f"{self.address}: {error.code().name} {error.details()}", untrusted=untrusted
+            ) from error
+        self._token.value = grant.token
+        self._expires_at = time.monotonic() + grant.valid_for_ms / 1000
+
+    async def close(self) -> None:
+        await self.channel.close()
 
 
-def cluster_channel(address: str, secret: str, **kwargs: Any) -> grpc.aio.Channel:
-    """A plaintext channel to a peer ("host:port") whose every call carries `secret`."""
-    return grpc.aio.insecure_channel(address, interceptors=client_interceptors(secret), **kwargs)
+async def connect(
+    address: str, secret: str, node_id: NodeId, timeout: float = HANDSHAKE_TIMEOUT_SECONDS
+) -> PeerSession:
+    """A session with the node at "host:port"; raises `LinkError`."""
+    try:
+        certificate_pem = await anyio.to_thread.run_sync(peer_certificate, address, timeout)
+    except (OSError, ValueError) as error:
+        raise LinkError(
+            f"{address}: no TLS certificate ({error})",
+            refused=isinstance(error, ConnectionRefusedError),
+        ) from error
+    session = PeerSession(address, secret, node_id, certificate_pem)
+    try:
+        await session.authenticate(timeout)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await session.close()
+        raise
+    return session
 
 
-def cluster_server(secret: str, **kwargs: Any) -> grpc.aio.Server:
-    """A `grpc.aio` server that rejects calls without `secret` (add servicers and ports to it)."""
-    interceptors = [ClusterSecretInterceptor(secret), *kwargs.pop("interceptors", ())]
-    return grpc.aio.server(interceptors=interceptors, **kwargs)
+@asynccontextmanager
+async def peer_channel(
+    address: str, secret: str, node_id: NodeId, timeout: float = HANDSHAKE_TIMEOUT_SECONDS
+) -> AsyncIterator[grpc.aio.Channel]:
+    """An authenticated channel to one peer, for node `node_id`, closed on exit
+    (raises `LinkError`)."""
+    session = await connect(address, secret, node_id, timeout)
+    try:
+        yield session.channel
+    finally:
+        with anyio.CancelScope(shield=True):
+            await session.close()

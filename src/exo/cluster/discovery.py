@@ -1,12 +1,13 @@
 """mDNS discovery: advertise this node and find the other nodes of its cluster on the LAN.
 
 Every node registers one service of type `_exo-cluster._tcp.local.` whose port
-is its gRPC port and whose TXT record carries `node_id` and `cluster` (a short
-fingerprint of the cluster secret, e.g. `auth.secret_fingerprint`). Nodes of
-another cluster are ignored from their TXT record alone, without dialing them.
+is its gRPC port and whose TXT record carries its `node_id`, and nothing derived
+from the cluster secret (a hash of it would let anyone on the LAN guess the
+secret offline). Which cluster a node belongs to is settled when it is dialed:
+the link's challenge (`exo.cluster.auth`) refuses a node of another cluster.
 
 `MdnsDiscovery.run(on_peer)` registers, browses, and calls `on_peer` with a
-`DiscoveredPeer` for every resolved peer of the same cluster (never for itself),
+`DiscoveredPeer` for every resolved exo node (never for itself),
 again when a peer's address changes or after it left and came back; it runs
 until cancelled and then says goodbye and closes within a bound. When mDNS
 cannot work here (no multicast, no permission, no usable interface) it logs one
@@ -38,7 +39,6 @@ from exo.shared.types.ids import NodeId
 
 SERVICE_TYPE = "_exo-cluster._tcp.local."
 NODE_ID_PROPERTY = "node_id"
-CLUSTER_PROPERTY = "cluster"
 
 RESOLVE_TIMEOUT_S = 3.0
 CLOSE_TIMEOUT_S = 3.0
@@ -53,7 +53,8 @@ _UNSAFE_LABEL_CHARS = re.compile(r"[^a-z0-9-]")
 
 @dataclass(frozen=True, slots=True)
 class DiscoveredPeer:
-    """A node of our cluster found on the LAN: its id and its gRPC address "host:port"."""
+    """An exo node found on the LAN (of this cluster or not: dialing tells): its
+    id and its gRPC address "host:port"."""
 
     node_id: NodeId
     address: str
@@ -77,25 +78,21 @@ def service_name(node_id: NodeId) -> str:
     return f"{service_label(node_id)}.{SERVICE_TYPE}"
 
 
-def advertised_properties(node_id: NodeId, cluster_fingerprint: str) -> dict[str, str]:
+def advertised_properties(node_id: NodeId) -> dict[str, str]:
     """The TXT properties a node publishes."""
-    return {NODE_ID_PROPERTY: node_id, CLUSTER_PROPERTY: cluster_fingerprint}
+    return {NODE_ID_PROPERTY: node_id}
 
 
-def parse_properties(properties: Mapping[bytes, bytes | None]) -> tuple[NodeId, str] | None:
-    """`(node_id, cluster fingerprint)` from a TXT record, or None if it is not one of ours."""
+def parse_properties(properties: Mapping[bytes, bytes | None]) -> NodeId | None:
+    """The node id from a TXT record, or None if it is not an exo node's."""
     raw_node_id = properties.get(NODE_ID_PROPERTY.encode())
-    raw_cluster = properties.get(CLUSTER_PROPERTY.encode())
-    if raw_node_id is None or raw_cluster is None:
+    if raw_node_id is None:
         return None
     try:
         node_id = raw_node_id.decode("utf-8")
-        cluster = raw_cluster.decode("utf-8")
     except UnicodeDecodeError:
         return None
-    if not node_id:
-        return None
-    return NodeId(node_id), cluster
+    return NodeId(node_id) if node_id else None
 
 
 def usable_ipv4_addresses(addresses: Iterable[str]) -> list[str]:
@@ -136,17 +133,13 @@ def select_address(addresses: Iterable[str]) -> str | None:
 
 def peer_from_service(
     own_node_id: NodeId,
-    cluster_fingerprint: str,
     properties: Mapping[bytes, bytes | None],
     addresses: Iterable[str],
     port: int | None,
 ) -> DiscoveredPeer | None:
-    """The peer a resolved service describes, or None: not ours, another cluster, us, or undialable."""
-    parsed = parse_properties(properties)
-    if parsed is None:
-        return None
-    node_id, cluster = parsed
-    if cluster != cluster_fingerprint or node_id == own_node_id:
+    """The peer a resolved service describes, or None: not an exo node, us, or undialable."""
+    node_id = parse_properties(properties)
+    if node_id is None or node_id == own_node_id:
         return None
     if port is None or not 0 < port < 65536:
         return None
@@ -169,7 +162,7 @@ def default_advertised_addresses() -> list[str]:
 
 
 class MdnsDiscovery:
-    """Advertises this node over mDNS and reports the peers of its cluster.
+    """Advertises this node over mDNS and reports the exo nodes it finds.
 
     `addresses`: the IPv4 addresses to advertise, which are also the only
     interfaces mDNS runs on (e.g. `["127.0.0.1"]` in tests). By default mDNS
@@ -181,7 +174,6 @@ class MdnsDiscovery:
         self,
         node_id: NodeId,
         grpc_port: int,
-        cluster_fingerprint: str,
         addresses: Sequence[str] | None = None,
         *,
         resolve_timeout_s: float = RESOLVE_TIMEOUT_S,
@@ -197,7 +189,6 @@ class MdnsDiscovery:
                 )
         self.node_id = node_id
         self.grpc_port = grpc_port
-        self.cluster_fingerprint = cluster_fingerprint
         self.addresses: list[str] | None = None if addresses is None else list(addresses)
         self.resolve_timeout_s = resolve_timeout_s
         self.close_timeout_s = close_timeout_s
@@ -263,7 +254,7 @@ class MdnsDiscovery:
             SERVICE_TYPE,
             service_name(self.node_id),
             port=self.grpc_port,
-            properties=advertised_properties(self.node_id, self.cluster_fingerprint),
+            properties=advertised_properties(self.node_id),
             server=f"{service_label(self.node_id)}.local.",
             parsed_addresses=advertised,
         )
@@ -280,11 +271,10 @@ class MdnsDiscovery:
                 info.name,
             )
         logger.info(
-            "mDNS: advertising node {} at {} port {} (cluster {})",
+            "mDNS: advertising node {} at {} port {}",
             self.node_id,
             ", ".join(advertised),
             self.grpc_port,
-            self.cluster_fingerprint,
         )
         return True
 
@@ -340,13 +330,12 @@ class MdnsDiscovery:
             return None
         peer = peer_from_service(
             self.node_id,
-            self.cluster_fingerprint,
             info.properties,
             info.parsed_addresses(IPVersion.V4Only),
             info.port,
         )
         if peer is None:
-            logger.debug("mDNS: ignoring {} (us, another cluster, or no usable address)", name)
+            logger.debug("mDNS: ignoring {} (us, not exo, or no usable address)", name)
         return peer
 
     async def _close(self, aiozc: AsyncZeroconf) -> None:
@@ -372,7 +361,6 @@ class MdnsDiscovery:
 
 
 __all__ = [
-    "CLUSTER_PROPERTY",
     "NODE_ID_PROPERTY",
     "SERVICE_TYPE",
     "DiscoveredPeer",

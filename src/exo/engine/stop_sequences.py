@@ -9,17 +9,20 @@ class StopMatcher:
 
     Text that could be the start of a stop sequence is held back until it is
     known not to be one, so a stop string is never partly sent to a client.
+    Once one hits, `matched` says which (the earliest in the text).
     """
 
     stops: tuple[str, ...]
+    matched: str | None = None
     _pending: str = ""
 
     def feed(self, delta: str) -> tuple[str, bool]:
         text = self._pending + delta
         if not self.stops:
             return text, False
-        first = min((i for i in (text.find(s) for s in self.stops if s) if i >= 0), default=-1)
-        if first >= 0:
+        hits = [(i, stop) for stop in self.stops if stop and (i := text.find(stop)) >= 0]
+        if hits:
+            first, self.matched = min(hits, key=lambda hit: hit[0])
             self._pending = ""
             return text[:first], True
         hold = 0

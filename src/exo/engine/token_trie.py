@@ -5,6 +5,7 @@ cost grows with the number of edges on the path, never with a per-entry device
 sync or a scan over all entries.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -103,3 +104,27 @@ class TokenTrie:
         for parent, child in zip(reversed(path[:-1]), reversed(path[1:]), strict=True):
             if not child.below:
                 del parent.children[child.label[0]]
+
+
+def best_usable(
+    found: TrieMatch,
+    limit: int,
+    trimmable: Callable[[int], bool],
+    recency: Callable[[int], int],
+) -> tuple[int | None, int]:
+    """The key to restore and how many tokens of it, for a query whose match is
+    `found` and of which at most `limit` tokens may be reused.
+
+    A trimmable sequence sharing the matched prefix can be cut back to it (the most
+    recently used of them wins); any sequence ending at or before the match point
+    is usable whole, the only option for one that cannot be cut back."""
+    best_key: int | None = None
+    best = 0
+    shared = min(found.depth, limit)
+    cuttable = [key for key in found.below if trimmable(key)]
+    if shared > 0 and cuttable:
+        best_key, best = max(cuttable, key=recency), shared
+    for length, key in found.endings:
+        if best < length <= limit:
+            best_key, best = key, length
+    return best_key, best

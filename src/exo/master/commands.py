@@ -1,24 +1,26 @@
 """`decide(state, command) -> events`: pure; a command that cannot be carried
-out raises `CommandRejected` with a message for the user."""
+out raises `CommandRejected` with a message for the user. A command that brings
+the card of a model the state has none of publishes it with the instance."""
 
 from collections.abc import Sequence
 
 from exo.master.placement import PlacementError, PlacementRequest, place
-from exo.shared.types.commands import Command, CreateInstance, DeleteInstance, PlaceInstance
-from exo.shared.types.events import Event, InstanceCreated, InstanceDeleted
-from exo.shared.types.ids import InstanceId, ModelId
+from exo.shared.types.commands import (
+    Command,
+    CommandRejected,
+    CreateInstance,
+    DeleteInstance,
+    PlaceInstance,
+)
+from exo.shared.types.events import Event, InstanceCreated, InstanceDeleted, ModelCardPublished
+from exo.shared.types.ids import ModelId
+from exo.shared.types.model_card import ModelCard
 from exo.shared.types.state import Instance, InstanceRank, State
 
 # The ranks of multi-node instances listen for mx.distributed on ports in
 # [RING_BASE_PORT, RING_BASE_PORT + RING_PORT_SPAN).
 RING_BASE_PORT = 52500
 RING_PORT_SPAN = 1000
-
-
-class CommandRejected(Exception):
-    def __init__(self, message: str, not_found: bool = False) -> None:
-        super().__init__(message)
-        self.not_found = not_found
 
 
 def _host(address: str) -> str:
@@ -48,7 +50,9 @@ def ring_hosts(state: State, ranks: Sequence[InstanceRank]) -> tuple[str, ...]:
     return tuple(hosts)
 
 
-def _check_ranks(state: State, model_id: ModelId, ranks: Sequence[InstanceRank]) -> None:
+def _check_ranks(
+    state: State, model_id: ModelId, card: ModelCard | None, ranks: Sequence[InstanceRank]
+) -> None:
     for rank in ranks:
         if rank.node_id not in state.nodes:
             raise CommandRejected(f"no node {rank.node_id!r} in the cluster", not_found=True)
@@ -62,7 +66,6 @@ def _check_ranks(state: State, model_id: ModelId, ranks: Sequence[InstanceRank])
                 + ", ".join(f"{r.node_id}[{r.start_layer},{r.end_layer})" for r in ranks)
             )
         start = rank.end_layer
-    card = state.cards.get(model_id)
     if card is not None and start != card.n_layers:
         raise CommandRejected(f"{model_id} has {card.n_layers} layers, the ranks cover {start}")
     for instance in state.instances.values():
@@ -73,20 +76,35 @@ def _check_ranks(state: State, model_id: ModelId, ranks: Sequence[InstanceRank])
             )
 
 
+def _card(state: State, command: CreateInstance | PlaceInstance) -> ModelCard | None:
+    """The state's card of the model (a node that has it measured it), else the command's."""
+    if command.card is not None and command.card.model_id != command.model_id:
+        raise CommandRejected(
+            f"the card sent describes {command.card.model_id}, not {command.model_id}"
+        )
+    return state.cards.get(command.model_id) or command.card
+
+
 def _create(
-    state: State, instance_id: InstanceId, model_id: ModelId, ranks: Sequence[InstanceRank]
+    state: State, command: CreateInstance | PlaceInstance, ranks: Sequence[InstanceRank]
 ) -> list[Event]:
-    _check_ranks(state, model_id, ranks)
+    card = _card(state, command)
+    _check_ranks(state, command.model_id, card, ranks)
+    new_card = (
+        [] if card is None or card.model_id in state.cards else [ModelCardPublished(card=card)]
+    )
     instance = Instance(
-        instance_id=instance_id,
-        model_id=model_id,
+        instance_id=command.instance_id,
+        model_id=command.model_id,
         ranks=tuple(
             InstanceRank(node_id=r.node_id, start_layer=r.start_layer, end_layer=r.end_layer)
             for r in ranks
         ),
         ring_hosts=ring_hosts(state, ranks),
+        min_nodes=command.min_nodes if isinstance(command, PlaceInstance) else 1,
+        max_nodes=command.max_nodes if isinstance(command, PlaceInstance) else None,
     )
-    return [InstanceCreated(instance=instance)]
+    return [*new_card, InstanceCreated(instance=instance)]
 
 
 def decide(state: State, command: Command) -> list[Event]:
@@ -94,34 +112,27 @@ def decide(state: State, command: Command) -> list[Event]:
         case CreateInstance() | PlaceInstance() if command.instance_id in state.instances:
             return []  # a retried command
         case CreateInstance():
-            return _create(state, command.instance_id, command.model_id, command.ranks)
+            return _create(state, command, command.ranks)
         case PlaceInstance():
-            card = state.cards.get(command.model_id)
+            card = _card(state, command)
             if card is None:
                 raise CommandRejected(
                     f"no node knows model {command.model_id!r}: put it in a node's models "
                     "directory or make it reachable on the Hugging Face hub",
                     not_found=True,
                 )
-            # Nodes that serve the model already cannot take another instance of it.
-            serving = {
-                node_id
-                for instance in state.instances.values()
-                if instance.model_id == command.model_id
-                for node_id in instance.node_ids
-            }
-            free_nodes = {k: v for k, v in state.nodes.items() if k not in serving}
             try:
+                # `place` leaves out the nodes that serve the model already.
                 placement = place(
                     card,
-                    state.model_copy(update={"nodes": free_nodes}),
+                    state,
                     request=PlacementRequest(
                         min_nodes=command.min_nodes, max_nodes=command.max_nodes
                     ),
                 )
             except PlacementError as error:
                 raise CommandRejected(str(error)) from error
-            return _create(state, command.instance_id, command.model_id, placement.ranks)
+            return _create(state, command, placement.ranks)
         case DeleteInstance():
             if command.instance_id not in state.instances:
                 raise CommandRejected(f"no instance {command.instance_id!r}", not_found=True)

@@ -1,38 +1,34 @@
 """Placement: which nodes serve which layers of a model. Pure: no I/O.
 
-Candidates are the nodes that have reported telemetry and can hold at least one
+Candidates are the nodes that have reported telemetry, do not serve the model
+already (a node holds one rank of a model at most) and can hold at least one
 layer; every subset of them (all nodes reach each other for now) with
 `min_nodes`..`max_nodes` members is tried. A set is feasible when each node's
-free RAM holds its layers as loaded on its backend, the embedding (first rank)
-and the norm/head (last rank), plus a KV reserve per layer. Feasible sets are
-ranked by download progress, then free RAM, then size, then node ids; `preview`
-returns all of them, best first, and `place` the best.
+free RAM holds what its rank needs (`exo.models.memory.rank_memory`). Feasible
+sets are ranked by download progress, then free RAM, then size, then node ids;
+`preview` returns all of them, best first, and `place` the best: what
+`POST /place_instance` places is what the first preview shows.
 
 "Free" RAM here is a node's available RAM minus a safety margin of its total RAM.
 """
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from itertools import combinations
 
 from pydantic import Field
 
-from exo.models.cards import (
-    ModelCard,
-    kv_bytes_per_token,
-    memory_other,
-    memory_per_layer,
-    shard_files,
-)
+from exo.models.memory import kv_reserve_tokens, layer_cost, layers_that_fit, rank_memory
+from exo.models.weight_files import shard_files
+from exo.shared.architectures import SHARDABLE_ARCHITECTURES, loadable_whole, shardable
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import ModelId, NodeId
+from exo.shared.types.model_card import ModelCard
 from exo.shared.types.state import InstanceRank, MlxBackend, NodeTelemetry, State
+from exo.shared.units import human_bytes
 
 # RAM left to the OS and other programs: this share of a node's total RAM is
 # never counted as free.
 SAFETY_MARGIN_PERCENT = 10
-# KV cache reserved per node: this many tokens (or the model's context, if
-# shorter) of KV for each of its layers. The prefix cache budget is separate.
-KV_RESERVE_TOKENS = 8192
 # Only the nodes with the most free RAM are considered: 2^8 - 1 subsets at most.
 MAX_CANDIDATE_NODES = 8
 
@@ -46,17 +42,11 @@ class PlacementRequest(FrozenModel):
     max_nodes: int | None = Field(default=None, ge=1)
 
 
-class Rank(InstanceRank):
-    memory_bytes: int  # weights as loaded on the node's backend plus the KV reserve
-
-    @property
-    def n_layers(self) -> int:
-        return self.end_layer - self.start_layer
-
-
 class Placement(FrozenModel):
     model_id: ModelId
-    ranks: tuple[Rank, ...]  # in pipeline order; layer ranges cover [0, n_layers)
+    ranks: tuple[InstanceRank, ...]  # in pipeline order; layer ranges cover [0, n_layers)
+    # RAM each rank's node needs: weights as loaded on its backend plus the KV reserve.
+    memory_bytes: dict[NodeId, int]
     download_progress: float  # sum over the ranks' nodes of their fractions (0..1)
     free_bytes: int  # the nodes' free RAM together
 
@@ -65,35 +55,10 @@ class Placement(FrozenModel):
         return tuple(rank.node_id for rank in self.ranks)
 
 
-def human_bytes(n: int) -> str:
-    """Decimal units with one decimal, as disk and RAM sizes are sold: "2.1 GB"."""
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
-
-
 def free_bytes(telemetry: NodeTelemetry) -> int:
     """Available RAM minus the safety margin."""
     margin = telemetry.ram_total * SAFETY_MARGIN_PERCENT // 100
     return max(0, telemetry.ram_available - margin)
-
-
-def kv_reserve_per_layer(card: ModelCard, backend: MlxBackend) -> int:
-    tokens = min(card.context_length, KV_RESERVE_TOKENS)
-    return -(-kv_bytes_per_token(card, backend) * tokens // card.n_layers)
-
-
-def layer_cost(card: ModelCard, backend: MlxBackend) -> int:
-    """RAM one layer needs on `backend`: its weights and its KV reserve."""
-    return memory_per_layer(card, backend) + kv_reserve_per_layer(card, backend)
-
-
-def rank_memory(card: ModelCard, backend: MlxBackend, start: int, end: int) -> int:
-    first, last = start == 0, end == card.n_layers
-    return (end - start) * layer_cost(card, backend) + memory_other(
-        card, backend, first=first, last=last
-    )
 
 
 def _largest_remainder(n: int, weights: Sequence[int]) -> list[int]:
@@ -110,9 +75,7 @@ def _largest_remainder(n: int, weights: Sequence[int]) -> list[int]:
     return counts
 
 
-def split_layers(
-    n_layers: int, weights: Sequence[int], caps: Sequence[int] | None = None
-) -> list[int] | None:
+def split_layers(n_layers: int, weights: Sequence[int], caps: Sequence[int]) -> list[int] | None:
     """Layer counts in proportion to `weights` (largest remainder), each at least 1
     and at most its cap; None when impossible (fewer layers than parts, or caps
     too small).
@@ -122,7 +85,7 @@ def split_layers(
     is the plain proportional split.
     """
     k = len(weights)
-    limits = list(caps) if caps is not None else [n_layers] * k
+    limits = list(caps)
     if (
         k == 0
         or n_layers < k
@@ -171,26 +134,25 @@ def _place_on(
 ) -> Placement | None:
     k = len(nodes)
     budgets = [free_bytes(t) for _, t in nodes]
-    caps: list[int] = []
-    for i, (_, telemetry) in enumerate(nodes):
-        backend = telemetry.mlx_backend
-        fixed = memory_other(card, backend, first=i == 0, last=i == k - 1)
-        cost = layer_cost(card, backend)
-        room = budgets[i] - fixed
-        caps.append(0 if room < 0 else card.n_layers if cost == 0 else room // cost)
+    caps = [
+        layers_that_fit(card, t.mlx_backend, budget, first=i == 0, last=i == k - 1)
+        for i, ((_, t), budget) in enumerate(zip(nodes, budgets, strict=True))
+    ]
     counts = split_layers(card.n_layers, budgets, caps)
     if counts is None:
         return None
-    ranks: list[Rank] = []
+    ranks: list[InstanceRank] = []
+    memory: dict[NodeId, int] = {}
     start = 0
     for (node_id, telemetry), count in zip(nodes, counts, strict=True):
         end = start + count
-        memory = rank_memory(card, telemetry.mlx_backend, start, end)
-        ranks.append(Rank(node_id=node_id, start_layer=start, end_layer=end, memory_bytes=memory))
+        ranks.append(InstanceRank(node_id=node_id, start_layer=start, end_layer=end))
+        memory[node_id] = rank_memory(card, telemetry.mlx_backend, start, end)
         start = end
     return Placement(
         model_id=card.model_id,
         ranks=tuple(ranks),
+        memory_bytes=memory,
         download_progress=sum(
             min(1.0, max(0.0, progress(r.node_id, r.start_layer, r.end_layer))) for r in ranks
         ),
@@ -207,11 +169,6 @@ def _rank_key(placement: Placement) -> tuple[float, int, int, tuple[NodeId, ...]
     )
 
 
-def _model_need(card: ModelCard, backend: MlxBackend) -> int:
-    """RAM the whole model needs on one node of `backend`."""
-    return rank_memory(card, backend, 0, card.n_layers)
-
-
 def _shortfall(
     card: ModelCard,
     request: PlacementRequest,
@@ -223,13 +180,13 @@ def _shortfall(
     size = min(request.max_nodes or len(pool), len(pool), card.n_layers)
     largest = pool[:size]
     backends: list[MlxBackend] = sorted({t.mlx_backend for _, t in largest})
-    need = max(_model_need(card, b) for b in backends)
+    need = max(rank_memory(card, b, 0, card.n_layers) for b in backends)
     have = sum(free_bytes(t) for _, t in largest)
     ids = ", ".join(n for n, _ in largest)
     message = (
         f"{card.model_id} needs {human_bytes(need)}, the largest candidate set has "
         f"{human_bytes(have)} free ({ids}; weights as loaded on {'/'.join(backends)} plus "
-        f"a KV reserve of {min(card.context_length, KV_RESERVE_TOKENS)} tokens; free RAM "
+        f"a KV reserve of {kv_reserve_tokens(card)} tokens; free RAM "
         f"keeps {SAFETY_MARGIN_PERCENT}% of each node's RAM in reserve)"
     )
     eligible_ids = {n for n, _ in eligible}
@@ -265,31 +222,59 @@ def download_progress(card: ModelCard, state: State) -> ProgressFn:
     return fraction
 
 
+def _serving_nodes(model_id: ModelId, state: State) -> set[NodeId]:
+    """The nodes that already serve `model_id` (they cannot take another rank of it)."""
+    return {
+        node_id
+        for instance in state.instances.values()
+        if instance.model_id == model_id
+        for node_id in instance.node_ids
+    }
+
+
+def _servable(card: ModelCard, request: PlacementRequest) -> PlacementRequest:
+    """`request`, limited to one node for an architecture exo cannot split;
+    raises `PlacementError` for one it cannot load at all, or cannot split
+    when `request` needs several nodes."""
+    arch = card.architecture
+    split = ", ".join(sorted(SHARDABLE_ARCHITECTURES))
+    if not loadable_whole(arch):
+        raise PlacementError(
+            f"cannot place {card.model_id}: exo cannot load its architecture {arch!r} "
+            f"(mlx-lm has no model for it); supported across nodes: {split}"
+        )
+    if shardable(arch):
+        return request
+    if request.min_nodes > 1:
+        raise PlacementError(
+            f"cannot split {card.model_id} across {request.min_nodes} nodes: its architecture "
+            f"{arch!r} can only be served whole on one node; supported across nodes: {split}"
+        )
+    return request.model_copy(update={"max_nodes": 1})
+
+
 def preview(
     card: ModelCard,
     state: State,
-    progress: Mapping[NodeId, float] | ProgressFn | None = None,
     request: PlacementRequest | None = None,
+    *,
+    progress: ProgressFn | None = None,
 ) -> list[Placement]:
     """Every feasible placement of `card` on the cluster, best first.
 
-    `progress` gives each node's downloaded fraction (0..1) of the files it
-    would need: a function of (node, start_layer, end_layer), or one number per
-    node (missing nodes count 0); by default it is read from the state's
+    `progress` gives a node's downloaded fraction (0..1) of the files it would
+    need for a range of layers; by default it is read from the state's
     downloads. Raises `PlacementError` when none is feasible.
     """
-    request = request or PlacementRequest()
+    request = _servable(card, request or PlacementRequest())
     if progress is None:
         progress = download_progress(card, state)
-    elif isinstance(progress, Mapping):
-        per_node = progress
-        progress = lambda node_id, start, end: per_node.get(node_id, 0.0)  # noqa: E731
-    nodes = [
+    reporting = [
         (n, info.telemetry)
         for n, info in sorted(state.nodes.items())
         if info.telemetry and info.telemetry.accepts_instances
     ]
-    if not nodes:
+    if not reporting:
         raise PlacementError(
             f"cannot place {card.model_id}: no node that runs models has reported its memory "
             "yet (nodes started with --no-worker run none)"
@@ -298,14 +283,23 @@ def preview(
         raise PlacementError(
             f"max_nodes={request.max_nodes} is less than min_nodes={request.min_nodes}"
         )
-    if request.min_nodes > len(nodes):
+    if request.min_nodes > len(reporting):
         raise PlacementError(
-            f"min_nodes={request.min_nodes} but only {len(nodes)} node(s) have reported telemetry"
+            f"min_nodes={request.min_nodes} but only {len(reporting)} node(s) have reported "
+            "telemetry"
         )
     if request.min_nodes > card.n_layers:
         raise PlacementError(
             f"{card.model_id} has {card.n_layers} layers: it cannot be split across "
             f"{request.min_nodes} nodes"
+        )
+    serving = _serving_nodes(card.model_id, state)
+    nodes = [(n, t) for n, t in reporting if n not in serving]
+    if len(nodes) < request.min_nodes:
+        raise PlacementError(
+            f"{card.model_id} already has an instance on {', '.join(sorted(serving))}; only "
+            f"{len(nodes)} other node(s) can take one (min_nodes={request.min_nodes}); "
+            "delete an instance first"
         )
     eligible = [
         (n, t) for n, t in nodes if free_bytes(t) >= max(1, layer_cost(card, t.mlx_backend))
@@ -326,8 +320,9 @@ def preview(
 def place(
     card: ModelCard,
     state: State,
-    progress: Mapping[NodeId, float] | ProgressFn | None = None,
     request: PlacementRequest | None = None,
+    *,
+    progress: ProgressFn | None = None,
 ) -> Placement:
     """The best placement (`preview`'s first); raises `PlacementError` if none fits."""
-    return preview(card, state, progress, request)[0]
+    return preview(card, state, request, progress=progress)[0]

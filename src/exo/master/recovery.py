@@ -1,6 +1,7 @@
 """The master re-places instances that lost a rank: a ring of runners cannot
 heal itself (its group is gone), so the instance is deleted and placed again
-on the nodes that are left, if the model still fits."""
+on the nodes that are left, with the request it was placed with, if the model
+still fits."""
 
 import time
 from collections.abc import Iterable
@@ -33,13 +34,27 @@ def instances_on(state: State, nodes: Iterable[NodeId]) -> list[Instance]:
     ]
 
 
+def replacement(instance: Instance, available_nodes: int) -> PlaceInstance:
+    """The placement of `instance`'s model again: its request's `min_nodes` and
+    `max_nodes`, `min_nodes` lowered to the nodes that are left when fewer are."""
+    return PlaceInstance(
+        instance_id=new_instance_id(),
+        model_id=instance.model_id,
+        min_nodes=max(1, min(instance.min_nodes, available_nodes)),
+        max_nodes=instance.max_nodes,
+    )
+
+
 @dataclass
 class Recovery:
     _history: dict[ModelId, list[float]] = field(default_factory=dict)
 
-    def commands(self, instance: Instance, still_listed: bool) -> list[Command]:
+    def commands(
+        self, instance: Instance, still_listed: bool, available_nodes: int
+    ) -> list[Command]:
         """Delete `instance` (when the state still lists it) and place its model
-        again, unless it was re-placed too often lately."""
+        again on `available_nodes` nodes at most, unless it was re-placed too
+        often lately."""
         now = time.monotonic()
         recent = [t for t in self._history.get(instance.model_id, []) if now - t < WINDOW_SECONDS]
         commands: list[Command] = (
@@ -47,8 +62,6 @@ class Recovery:
         )
         if len(recent) < MAX_REPLACEMENTS:
             recent.append(now)
-            commands.append(
-                PlaceInstance(instance_id=new_instance_id(), model_id=instance.model_id)
-            )
+            commands.append(replacement(instance, available_nodes))
         self._history[instance.model_id] = recent
         return commands

@@ -3,20 +3,25 @@
 A card is built from an MLX model folder (`card_from_folder`: exact sizes from
 the safetensors headers, no weights read) or from a Hugging Face repo's
 `config.json` and `model.safetensors.index.json` without the weight files
-(`card_from_config`: sizes estimated, see there). Memory on a node depends on
-its MLX backend: the CPU runner dequantizes quantized weights and casts every
-weight to float32 at load (`exo.engine.mlx.load`), Metal and CUDA keep the
-weights as stored.
+(`card_from_config`: sizes estimated, see there). What a card implies for RAM
+is in `exo.models.memory`, which files hold which layers in
+`exo.models.weight_files`.
 """
 
 import json
 import math
-import re
-import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from exo.models.safetensors_header import (
+    DTYPE_BYTES,
+    FLOAT_DTYPES,
+    SafetensorsHeaderError,
+    TensorInfo,
+    read_safetensors_header,
+)
+from exo.models.weight_files import is_metadata_file, tensor_part, weight_files_from_map
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import ModelId
 from exo.shared.types.model_card import (
@@ -25,166 +30,19 @@ from exo.shared.types.model_card import (
     SizeSource,
     WeightFile,
 )
-from exo.shared.types.state import MlxBackend
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 # What a node fetches besides the weights when the repo's listing is unknown.
 DEFAULT_METADATA_FILES = (CONFIG_FILE, "tokenizer.json", "tokenizer_config.json")
-# Files of a model folder that a node never needs: exo's import marker and
-# weights in other formats than safetensors.
-_NOT_NEEDED_NAMES = {"exo_import.json"}
-_NOT_NEEDED_SUFFIXES = (".gguf", ".bin", ".pt", ".pth", ".h5", ".onnx", ".msgpack", ".partial")
-_MAX_HEADER_BYTES = 100_000_000
 _DEFAULT_CONTEXT = 4096
-
-# `model.layers.N.` and the prefixes vision-language and SSM models put before it.
-_LAYER_TENSOR = re.compile(
-    r"^(?:model\.|language_model\.model\.|model\.language_model\.|backbone\.)?layers\.(\d+)\."
-)
-# Non-layer tensors used after the last layer: final norm and output head.
-_HEAD_TENSOR = re.compile(r"(?:^|\.)(?:norm|norm_f|final_layernorm|ln_f|lm_head|output)(?:\.|$)")
-_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I64": 8,
-    "I32": 4,
-    "U32": 4,
-    "I16": 2,
-    "U16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 _TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-_FLOAT32_BYTES = 4
 _FLOAT16_BYTES = 2
 
 
 class ModelCardError(ValueError):
     """A model folder or config cannot be described (missing or malformed files)."""
-
-
-# --- memory -------------------------------------------------------------------
-
-
-def _loaded_bytes(stored_bytes: int, params: int, backend: MlxBackend) -> int:
-    return params * _FLOAT32_BYTES if backend == "cpu" else stored_bytes
-
-
-def memory_per_layer(card: ModelCard, backend: MlxBackend) -> int:
-    """Bytes one layer takes in RAM once loaded on `backend` (weights only)."""
-    return _loaded_bytes(card.layer_bytes, card.layer_params, backend)
-
-
-def memory_other(
-    card: ModelCard, backend: MlxBackend, *, first: bool = True, last: bool = True
-) -> int:
-    """Bytes of the non-layer weights a rank holds once loaded on `backend`.
-
-    The first rank holds the embedding, the last the final norm and head; with
-    tied embeddings the head is the embedding, so a last rank that is not also
-    the first holds the embedding too. The defaults describe a single rank.
-    """
-    total = 0
-    if first or (last and card.tie_word_embeddings):
-        total += _loaded_bytes(card.embedding_bytes, card.embedding_params, backend)
-    if last:
-        total += _loaded_bytes(card.head_bytes, card.head_params, backend)
-    return total
-
-
-def kv_bytes_per_token(card: ModelCard, backend: MlxBackend) -> int:
-    """KV cache bytes per token over all layers: keys and values of every KV head,
-    float32 on the CPU backend, float16 otherwise."""
-    dtype = _FLOAT32_BYTES if backend == "cpu" else _FLOAT16_BYTES
-    return 2 * card.n_kv_heads * card.head_dim * card.n_layers * dtype
-
-
-# --- which files hold which layers --------------------------------------------
-
-
-def layer_files(card_or_index: ModelCard | Mapping[str, Any], start: int, end: int) -> set[str]:
-    """The weight files holding layers [start, end), plus the embedding's files on
-    the first rank and the norm/head's files on the last (the embedding's too when
-    the head is tied to it).
-
-    Takes a card, or a `model.safetensors.index.json` dict; for an index the layer
-    count is the highest layer index in its `weight_map` plus one, and embeddings
-    count as tied when the map has no `lm_head` tensor.
-    """
-    if isinstance(card_or_index, ModelCard):
-        files, n_layers, tied = (
-            card_or_index.weight_files,
-            card_or_index.n_layers,
-            card_or_index.tie_word_embeddings,
-        )
-    else:
-        weight_map = _weight_map(card_or_index)
-        layers = [_layer_index(name) for name in weight_map]
-        n_layers = max((i for i in layers if i is not None), default=-1) + 1
-        files = _weight_files_from_map(weight_map, n_layers, {})
-        tied = not any(name.startswith("lm_head") for name in weight_map)
-    if not 0 <= start < end <= n_layers:
-        raise ValueError(f"layer range [{start}, {end}) is not within [0, {n_layers})")
-    first, last = start == 0, end == n_layers
-    return {
-        f.name
-        for f in files
-        if any(start <= i < end for i in f.layers)
-        or (f.embedding and (first or (last and tied)))
-        or (f.head and last)
-    }
-
-
-def shard_files(card: ModelCard, start: int, end: int) -> set[str]:
-    """Every file a node serving layers [start, end) needs: its weight files plus
-    the config/tokenizer files."""
-    return layer_files(card, start, end) | set(card.metadata_files)
-
-
-# --- safetensors headers ------------------------------------------------------
-
-
-class TensorInfo(FrozenModel):
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Tensor names, dtypes, shapes and data sizes of a safetensors file, from its
-    header only (8-byte little-endian length, then JSON); no tensor data is read."""
-    try:
-        with path.open("rb") as fh:
-            prefix = fh.read(8)
-            if len(prefix) != 8:
-                raise ModelCardError(f"{path.name}: too short for a safetensors file")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > _MAX_HEADER_BYTES:
-                raise ModelCardError(f"{path.name}: header of {length} bytes is not plausible")
-            raw = fh.read(length)
-    except OSError as error:
-        raise ModelCardError(f"cannot read {path.name}: {error}") from error
-    try:
-        header = json.loads(raw)
-        tensors: dict[str, TensorInfo] = {}
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            begin, stop = entry["data_offsets"]
-            tensors[name] = TensorInfo(
-                dtype=entry["dtype"], shape=tuple(entry["shape"]), nbytes=stop - begin
-            )
-    except (ValueError, KeyError, TypeError) as error:
-        raise ModelCardError(f"{path.name}: malformed safetensors header: {error}") from error
-    return tensors
 
 
 # --- config -------------------------------------------------------------------
@@ -231,6 +89,13 @@ def _module_group_size(config: Mapping[str, Any], module: str) -> int | None:
     return int(quant["group_size"])
 
 
+def context_length_from_config(config: Mapping[str, Any]) -> int:
+    """The longest sequence the model takes, in tokens, from its `config.json`."""
+    return _first_int(
+        _text_config(config), "max_position_embeddings", "max_seq_len", default=_DEFAULT_CONTEXT
+    )
+
+
 class _Shape(FrozenModel):
     architecture: str
     n_layers: int
@@ -254,9 +119,7 @@ def _shape(config: Mapping[str, Any]) -> _Shape:
         n_heads=n_heads,
         n_kv_heads=_first_int(text, "num_key_value_heads", "n_kv_heads", default=n_heads),
         head_dim=_first_int(text, "head_dim", default=hidden // n_heads),
-        context_length=_first_int(
-            text, "max_position_embeddings", "max_seq_len", default=_DEFAULT_CONTEXT
-        ),
+        context_length=context_length_from_config(config),
         vocab_size=_first_int(text, "vocab_size"),
         tie_word_embeddings=bool(
             config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
@@ -270,23 +133,7 @@ def _config_dtype_bytes(config: Mapping[str, Any]) -> int | None:
     return _TORCH_DTYPE_BYTES.get(name) if isinstance(name, str) else None
 
 
-# --- tensor classification ----------------------------------------------------
-
-
-def _layer_index(name: str) -> int | None:
-    match = _LAYER_TENSOR.match(name)
-    return int(match.group(1)) if match else None
-
-
-def _part(name: str, n_layers: int) -> int | Literal["embedding", "head", "unused"]:
-    """Layer index, or the non-layer part a tensor belongs to. Layers past
-    `n_layers` (e.g. multi-token-prediction layers) are not loaded: "unused"."""
-    layer = _layer_index(name)
-    if layer is not None:
-        return layer if layer < n_layers else "unused"
-    if "embed" not in name and _HEAD_TENSOR.search(name):
-        return "head"
-    return "embedding"
+# --- parameters and bytes ----------------------------------------------------
 
 
 def _weight_map(index: Mapping[str, Any]) -> dict[str, str]:
@@ -294,33 +141,6 @@ def _weight_map(index: Mapping[str, Any]) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not weight_map:
         raise ModelCardError("safetensors index has no weight_map")
     return {str(k): str(v) for k, v in weight_map.items()}
-
-
-def _weight_files_from_map(
-    weight_map: Mapping[str, str], n_layers: int, sizes: Mapping[str, int]
-) -> tuple[WeightFile, ...]:
-    layers: dict[str, set[int]] = {}
-    embedding: set[str] = set()
-    head: set[str] = set()
-    for tensor, file in weight_map.items():
-        layers.setdefault(file, set())
-        part = _part(tensor, n_layers)
-        if isinstance(part, int):
-            layers[file].add(part)
-        elif part == "embedding":
-            embedding.add(file)
-        elif part == "head":
-            head.add(file)
-    return tuple(
-        WeightFile(
-            name=file,
-            layers=tuple(sorted(layers[file])),
-            embedding=file in embedding,
-            head=file in head,
-            size_bytes=sizes.get(file),
-        )
-        for file in sorted(layers)
-    )
 
 
 def _quantized_params(
@@ -333,7 +153,7 @@ def _quantized_params(
     """
     module, _, part = name.rpartition(".")
     scales = tensors.get(f"{module}.scales")
-    if part != "weight" or scales is None or info.dtype in _FLOAT_DTYPES or not scales.shape:
+    if part != "weight" or scales is None or info.dtype in FLOAT_DTYPES or not scales.shape:
         return None
     group_size = _module_group_size(config, module)
     if group_size is None:
@@ -348,17 +168,7 @@ def _is_quantization_parameter(name: str, tensors: Mapping[str, TensorInfo]) -> 
     if part not in ("scales", "biases"):
         return False
     weight = tensors.get(f"{module}.weight")
-    return weight is not None and weight.dtype not in _FLOAT_DTYPES
-
-
-def is_metadata_file(name: str) -> bool:
-    """A file a node needs besides the weights (config, tokenizer, index, ...)."""
-    return (
-        not name.startswith(".")
-        and name not in _NOT_NEEDED_NAMES
-        and not name.endswith(".safetensors")
-        and not name.endswith(_NOT_NEEDED_SUFFIXES)
-    )
+    return weight is not None and weight.dtype not in FLOAT_DTYPES
 
 
 # --- cards --------------------------------------------------------------------
@@ -400,16 +210,19 @@ def card_from_folder(model_id: ModelId, path: Path) -> ModelCard:
     weight_map: dict[str, str] = {}
     sizes: dict[str, int] = {}
     for file in weight_names:
-        tensors = read_safetensors_header(path / file)
+        try:
+            tensors = read_safetensors_header(path / file)
+        except SafetensorsHeaderError as error:
+            raise ModelCardError(f"{model_id}: {error}") from error
         sizes[file] = (path / file).stat().st_size
         for name, info in tensors.items():
             weight_map[name] = file
             count = _quantized_params(name, info, tensors, config)
             if count is None:
                 count = 0 if _is_quantization_parameter(name, tensors) else math.prod(info.shape)
-            if info.dtype in _FLOAT_DTYPES:
+            if info.dtype in FLOAT_DTYPES:
                 float_bytes[info.dtype] = float_bytes.get(info.dtype, 0) + info.nbytes
-            part = _part(name, shape.n_layers)
+            part = tensor_part(name, shape.n_layers)
             if isinstance(part, int):
                 layer_bytes[part] += info.nbytes
                 layer_params[part] += count
@@ -420,8 +233,8 @@ def card_from_folder(model_id: ModelId, path: Path) -> ModelCard:
     dtype_bytes = _config_dtype_bytes(config)
     if dtype_bytes is None:
         dominant = max(float_bytes, key=lambda d: float_bytes[d], default="F16")
-        dtype_bytes = _DTYPE_BYTES[dominant]
-    weight_files = _weight_files_from_map(weight_map, shape.n_layers, sizes)
+        dtype_bytes = DTYPE_BYTES[dominant]
+    weight_files = weight_files_from_map(weight_map, shape.n_layers, sizes)
     others = sorted(p.name for p in path.iterdir() if p.is_file() and is_metadata_file(p.name))
     return ModelCard(
         model_id=model_id,
@@ -506,7 +319,7 @@ def card_from_config(
 
     if index is not None:
         weight_map = _weight_map(index)
-        weight_files = _weight_files_from_map(weight_map, shape.n_layers, sizes)
+        weight_files = weight_files_from_map(weight_map, shape.n_layers, sizes)
     else:
         weight_files = (
             WeightFile(
@@ -554,11 +367,3 @@ def card_from_config(
         dtype_bytes=dtype_bytes,
         size_source=source,
     )
-
-
-# Cards of models known without their files. Left empty on purpose: exact byte
-# counts and file lists of hub models cannot be checked offline, and a wrong
-# card would misplace layers or fetch the wrong files. The default model's card
-# comes from its imported folder (`card_from_folder`); hub models get theirs
-# from the repo's config and index (`card_from_config`).
-BUILTIN_CARDS: dict[ModelId, ModelCard] = {}

@@ -3,17 +3,24 @@
 The result is what `mlx_lm.load` reads: `config.json`, `model.safetensors`
 (affine-quantized triples kept as they are), `tokenizer.json` and
 `tokenizer_config.json` with the chat template.
+
+MLX reads and writes the tensors; it is imported only when a file is imported,
+so a node starts without it.
 """
+
+from __future__ import annotations
 
 import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
 from loguru import logger
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 GGUF_GROUP_SIZE = 32
 IMPORT_MARKER = "exo_import.json"
@@ -56,6 +63,8 @@ def _scalar(meta: dict[str, Any], key: str) -> Any:
     value = meta.get(key)
     if value is None:
         return None
+    import mlx.core as mx
+
     if isinstance(value, mx.array):
         return value.item()
     return value
@@ -269,6 +278,8 @@ def import_gguf(
             f"{model_dir} exists and was not imported by exo; remove it or choose another model id"
         )
     logger.info(f"importing {gguf_path.name} into {model_dir}")
+    import mlx.core as mx
+
     try:
         tensors, meta = mx.load(str(gguf_path), return_metadata=True)  # pyright: ignore[reportGeneralTypeIssues]
         assert isinstance(tensors, dict) and isinstance(meta, dict)

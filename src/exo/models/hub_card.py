@@ -4,10 +4,11 @@
 import json
 from typing import Any
 
-from exo.models.cards import CONFIG_FILE, INDEX_FILE, card_from_config, is_metadata_file
+from exo.models.cards import CONFIG_FILE, INDEX_FILE, card_from_config
+from exo.models.file_source import DownloadError, FileSource
+from exo.models.weight_files import is_metadata_file
 from exo.shared.types.ids import ModelId
 from exo.shared.types.model_card import ModelCard
-from exo.worker.downloads.source import DownloadError, FileSource
 
 # config.json and the index are small; a bigger one is not what we expect.
 _MAX_METADATA_BYTES = 50_000_000

@@ -15,6 +15,7 @@ from exo.models.store import model_dir, validate_model_id
 from exo.shared.types.ids import ModelId
 from exo.shared.types.model_card import ModelCard
 
+# A file being downloaded; complete under its own name only once verified.
 PARTIAL_SUFFIX = ".partial"
 _HASH_CHUNK = 1 << 20
 

@@ -1,4 +1,5 @@
-"""What the API needs of the cluster: this node's id, the state, the event stream."""
+"""What the API needs of the cluster: this node's id, the state, the event stream,
+commands and a way to wait for their effect."""
 
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -11,15 +12,28 @@ from exo.shared.types.state import State
 
 class ClusterView(Protocol):
     node_id: NodeId
-    master_id: NodeId | None
     address: str
     resumed_from_idx: int
 
     @property
+    def master_id(self) -> NodeId | None: ...
+
+    @property
     def state(self) -> State: ...
+
+    @property
+    def event_log_error(self) -> str | None:
+        """Why this node cannot write its event log now (a full disk); None when it can."""
+        ...
 
     def subscribe(self, from_idx: int) -> AsyncIterator[IndexedEvent]: ...
 
-    async def send_command(self, command: Command) -> None: ...
+    async def send_command(self, command: Command) -> int:
+        """The index of the command's last event (`wait_until` it to see the effect)."""
+        ...
+
+    async def wait_until(self, idx: int, timeout: float) -> bool:
+        """Until this node applied the event `idx` (True), or `timeout` passed."""
+        ...
 
     def publish(self, *events: Event) -> None: ...

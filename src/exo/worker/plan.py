@@ -10,7 +10,7 @@ more are stopped first, to free memory and bandwidth.
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 
-from exo.models.cards import shard_files
+from exo.models.weight_files import shard_files
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.state import Instance, State
 

@@ -10,13 +10,15 @@ from pathlib import Path
 import anyio
 import anyio.abc
 from loguru import logger
-from mlx_lm.utils import load_tokenizer
 
-from exo.api.app import ServedModel
 from exo.cluster.link import ClusterLink
+from exo.cluster.model_files import PeerSource
 from exo.models.builtin import DEFAULT_MODEL_ID
+from exo.models.chat_tokenizer import load_chat_tokenizer
+from exo.models.file_source import DownloadError, FileSource
 from exo.models.local_store import ModelStore
-from exo.models.store import context_length, sampling_defaults
+from exo.models.sampling_defaults import read_sampling_defaults
+from exo.models.store import context_length
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.events import (
     DownloadProgressed,
@@ -27,9 +29,8 @@ from exo.shared.types.events import (
 from exo.shared.types.ids import InstanceId, ModelId
 from exo.shared.types.runner import RunnerStatus
 from exo.shared.types.state import Instance
+from exo.worker.downloads.disk_space import DiskSpace
 from exo.worker.downloads.hub import HubSource, hub_enabled
-from exo.worker.downloads.peer import PeerSource
-from exo.worker.downloads.source import DownloadError, FileSource
 from exo.worker.downloads.transfer import download_files
 from exo.worker.plan import (
     CancelDownload,
@@ -40,7 +41,8 @@ from exo.worker.plan import (
     needed_files,
     plan,
 )
-from exo.worker.runner.supervisor import PipelineRank, RunnerSupervisor
+from exo.worker.runner.supervisor import RunnerSupervisor
+from exo.worker.served_model import ServedModel
 
 # Re-plan at least this often even without events (bounded waits).
 REPLAN_SECONDS = 5.0
@@ -56,6 +58,12 @@ class _Running:
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
 
 
+@dataclass
+class _Download:
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    ended: anyio.Event = field(default_factory=anyio.Event)  # its task is over
+
+
 class Worker:
     def __init__(
         self,
@@ -66,11 +74,16 @@ class Worker:
         secret: str,
         on_ready: Callable[[ModelId], None] = lambda model_id: None,
         stale: frozenset[InstanceId] = frozenset(),
+        prefix_cache_disk_bytes: int = 0,
+        disk_space: DiskSpace | None = None,
     ) -> None:
         self.link = link
+        # Every download of this node reserves its space here (a floor stays free).
+        self.disk_space = disk_space or DiskSpace()
         self.models = models
         self.cache_dir = cache_dir
         self.prefix_cache_bytes = prefix_cache_bytes
+        self.prefix_cache_disk_bytes = prefix_cache_disk_bytes
         self.secret = secret
         self.on_ready = on_ready
         self.stale = stale
@@ -78,7 +91,7 @@ class Worker:
         self.served: dict[ModelId, ServedModel] = {}
         self._running: dict[InstanceId, _Running] = {}
         self._announced: set[InstanceId] = set()
-        self._downloads: dict[ModelId, anyio.CancelScope] = {}
+        self._downloads: dict[ModelId, _Download] = {}
         self._cancelling: set[ModelId] = set()
         self._have: dict[ModelId, set[str]] = {}
         self._download_failed: set[InstanceId] = set()
@@ -89,13 +102,13 @@ class Worker:
             try:
                 while True:
                     await self._reconcile(group)
-                    await self.link.store.wait_for_change(REPLAN_SECONDS)
+                    await self.link.wait_until(self.link.state.last_idx + 1, REPLAN_SECONDS)
             finally:
                 with anyio.CancelScope(shield=True):
                     for instance_id in list(self._running):
                         await self._stop(instance_id)
-                for scope in self._downloads.values():
-                    scope.cancel()
+                for download in self._downloads.values():
+                    download.scope.cancel()
 
     async def publish_local_models(self) -> None:
         self._have.update(await publish_local_models(self.link, self.models))
@@ -126,7 +139,7 @@ class Worker:
                     logger.info(f"download of {action.model_id} no longer needed: cancelled")
                     # Kept listed until its task has ended (a thread may still be
                     # writing the partial): no new download of it starts before.
-                    self._downloads[action.model_id].cancel()
+                    self._downloads[action.model_id].scope.cancel()
                     self._cancelling.add(action.model_id)
                     self._publish_progress(
                         DownloadProgress(
@@ -159,7 +172,7 @@ class Worker:
             if node_id == self.link.node_id or node is None or node.grpc_address is None:
                 continue
             if download is not None and download.have_files:
-                source = PeerSource(node_id, node.grpc_address, self.secret)
+                source = PeerSource(node_id, node.grpc_address, self.secret, self.link.node_id)
                 peers.append((-len(download.have_files), source))
         sources: list[FileSource] = [source for _, source in sorted(peers, key=lambda p: p[0])]
         if hub_enabled():
@@ -167,14 +180,14 @@ class Worker:
         return sources
 
     def _start_download(self, action: StartDownload, group: anyio.abc.TaskGroup) -> None:
-        scope = anyio.CancelScope()
-        self._downloads[action.model_id] = scope
-        group.start_soon(self._download, action, scope)
+        download = _Download()
+        self._downloads[action.model_id] = download
+        group.start_soon(self._download, action, download)
 
-    async def _download(self, action: StartDownload, scope: anyio.CancelScope) -> None:
+    async def _download(self, action: StartDownload, download: _Download) -> None:
         model_id = action.model_id
         wanted = set(action.files) if action.files is not None else None
-        with scope:
+        with download.scope:
             try:
                 if model_id == DEFAULT_MODEL_ID:
                     # Built in: imported from the local GGUF, never fetched.
@@ -191,6 +204,7 @@ class Worker:
                         wanted,
                         self.models.writable_dir(model_id),
                         self._publish_progress,
+                        disk=self.disk_space,
                     )
                 have = await anyio.to_thread.run_sync(self.models.complete_files, model_id, wanted)
                 self._have[model_id] = have
@@ -230,18 +244,18 @@ class Worker:
                     )
                 )
             finally:
-                if self._downloads.get(model_id) is scope:
+                if self._downloads.get(model_id) is download:
                     del self._downloads[model_id]
                     self._cancelling.discard(model_id)
+                download.ended.set()
 
     async def delete_model_files(self, model_id: ModelId) -> bool:
         """Delete this node's writable copy of a model; False when there is none."""
-        scope = self._downloads.get(model_id)
-        if scope is not None:
-            scope.cancel()
+        download = self._downloads.get(model_id)
+        if download is not None:
+            download.scope.cancel()
             with anyio.move_on_after(DOWNLOAD_STOP_SECONDS):
-                while self._downloads.get(model_id) is scope:  # its task is ending
-                    await anyio.sleep(0.05)
+                await download.ended.wait()
         deleted = await anyio.to_thread.run_sync(self.models.delete, model_id)
         self._have.pop(model_id, None)
         remaining = await anyio.to_thread.run_sync(self.models.complete_files, model_id)
@@ -285,43 +299,32 @@ class Worker:
             )
             if path is None:
                 path = await anyio.to_thread.run_sync(self.models.resolve, instance.model_id)
-            tokenizer = await anyio.to_thread.run_sync(load_tokenizer, path) if rank == 0 else None
+            tokenizer = (
+                await anyio.to_thread.run_sync(load_chat_tokenizer, path) if rank == 0 else None
+            )
         except Exception as error:  # any failure to prepare the model is the runner's failure
             logger.error(f"cannot serve {instance.model_id}: {error}")
             self._running[instance.instance_id] = _Running(instance, None)
             self._report(instance, "failed", f"{type(error).__name__}: {error}")
             return
-        pipeline = (
-            PipelineRank(
-                instance_id=instance.instance_id,
-                rank=rank,
-                start_layer=part.start_layer,
-                end_layer=part.end_layer,
-                ring_hosts=instance.ring_hosts,
-            )
-            if len(instance.ranks) > 1
-            else None
-        )
         runner = RunnerSupervisor(
-            instance.model_id,
+            instance,
+            rank,
             path,
             self.prefix_cache_bytes,
             self.cache_dir,
+            prefix_cache_disk_bytes=self.prefix_cache_disk_bytes,
             on_status=lambda status, error: self._report(instance, status, error),
-            pipeline=pipeline,
-            restart=pipeline is None,
         )
         served: ServedModel | None = None
         if tokenizer is not None:
-            temperature, top_p = sampling_defaults(path)
             served = ServedModel(
                 model_id=instance.model_id,
                 tokenizer=tokenizer,
                 context_length=context_length(path),
                 runner=runner,
                 created=int(time.time()),
-                default_temperature=temperature,
-                default_top_p=top_p,
+                sampling_defaults=read_sampling_defaults(path),
             )
             self.served[instance.model_id] = served
         running = _Running(instance, served, runner)

@@ -6,6 +6,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ChallengeRequest(_message.Message):
+    __slots__ = ("client_nonce",)
+    CLIENT_NONCE_FIELD_NUMBER: _ClassVar[int]
+    client_nonce: bytes
+    def __init__(self, client_nonce: _Optional[bytes] = ...) -> None: ...
+
+class ChallengeReply(_message.Message):
+    __slots__ = ("server_nonce", "server_proof")
+    SERVER_NONCE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_PROOF_FIELD_NUMBER: _ClassVar[int]
+    server_nonce: bytes
+    server_proof: bytes
+    def __init__(self, server_nonce: _Optional[bytes] = ..., server_proof: _Optional[bytes] = ...) -> None: ...
+
+class ProofRequest(_message.Message):
+    __slots__ = ("client_nonce", "server_nonce", "client_proof", "node_id")
+    CLIENT_NONCE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_NONCE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_PROOF_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    client_nonce: bytes
+    server_nonce: bytes
+    client_proof: bytes
+    node_id: str
+    def __init__(self, client_nonce: _Optional[bytes] = ..., server_nonce: _Optional[bytes] = ..., client_proof: _Optional[bytes] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class SessionGrant(_message.Message):
+    __slots__ = ("token", "valid_for_ms")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VALID_FOR_MS_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    valid_for_ms: int
+    def __init__(self, token: _Optional[str] = ..., valid_for_ms: _Optional[int] = ...) -> None: ...
+
 class Peer(_message.Message):
     __slots__ = ("node_id", "address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +96,12 @@ class CommandEnvelope(_message.Message):
     payload: bytes
     def __init__(self, id: _Optional[str] = ..., origin: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
+class CommandReply(_message.Message):
+    __slots__ = ("last_idx",)
+    LAST_IDX_FIELD_NUMBER: _ClassVar[int]
+    last_idx: int
+    def __init__(self, last_idx: _Optional[int] = ...) -> None: ...
+
 class LocalEventEnvelope(_message.Message):
     __slots__ = ("id", "origin", "payload")
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -93,28 +133,14 @@ class SubscribeRequest(_message.Message):
     def __init__(self, from_idx: _Optional[int] = ...) -> None: ...
 
 class IndexedEventEnvelope(_message.Message):
-    __slots__ = ("idx", "payload")
+    __slots__ = ("idx", "payload", "snapshot")
     IDX_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     idx: int
     payload: bytes
-    def __init__(self, idx: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
-
-class ElectionMessage(_message.Message):
-    __slots__ = ("node_id", "started_at_ms", "force_master", "term", "master_id", "last_idx")
-    NODE_ID_FIELD_NUMBER: _ClassVar[int]
-    STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
-    FORCE_MASTER_FIELD_NUMBER: _ClassVar[int]
-    TERM_FIELD_NUMBER: _ClassVar[int]
-    MASTER_ID_FIELD_NUMBER: _ClassVar[int]
-    LAST_IDX_FIELD_NUMBER: _ClassVar[int]
-    node_id: str
-    started_at_ms: int
-    force_master: bool
-    term: int
-    master_id: str
-    last_idx: int
-    def __init__(self, node_id: _Optional[str] = ..., started_at_ms: _Optional[int] = ..., force_master: _Optional[bool] = ..., term: _Optional[int] = ..., master_id: _Optional[str] = ..., last_idx: _Optional[int] = ...) -> None: ...
+    snapshot: bytes
+    def __init__(self, idx: _Optional[int] = ..., payload: _Optional[bytes] = ..., snapshot: _Optional[bytes] = ...) -> None: ...
 
 class FetchFileRequest(_message.Message):
     __slots__ = ("model_id", "path", "offset")

@@ -35,6 +35,16 @@ class ClusterStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Challenge = channel.unary_unary(
+                '/exo.cluster.Cluster/Challenge',
+                request_serializer=exo_dot_cluster__pb2.ChallengeRequest.SerializeToString,
+                response_deserializer=exo_dot_cluster__pb2.ChallengeReply.FromString,
+                _registered_method=True)
+        self.Prove = channel.unary_unary(
+                '/exo.cluster.Cluster/Prove',
+                request_serializer=exo_dot_cluster__pb2.ProofRequest.SerializeToString,
+                response_deserializer=exo_dot_cluster__pb2.SessionGrant.FromString,
+                _registered_method=True)
         self.Hello = channel.unary_unary(
                 '/exo.cluster.Cluster/Hello',
                 request_serializer=exo_dot_cluster__pb2.HelloRequest.SerializeToString,
@@ -43,7 +53,7 @@ class ClusterStub:
         self.SendCommand = channel.unary_unary(
                 '/exo.cluster.Cluster/SendCommand',
                 request_serializer=exo_dot_cluster__pb2.CommandEnvelope.SerializeToString,
-                response_deserializer=exo_dot_cluster__pb2.Ack.FromString,
+                response_deserializer=exo_dot_cluster__pb2.CommandReply.FromString,
                 _registered_method=True)
         self.PublishEvents = channel.unary_unary(
                 '/exo.cluster.Cluster/PublishEvents',
@@ -54,11 +64,6 @@ class ClusterStub:
                 '/exo.cluster.Cluster/SubscribeEvents',
                 request_serializer=exo_dot_cluster__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=exo_dot_cluster__pb2.IndexedEventEnvelope.FromString,
-                _registered_method=True)
-        self.Elect = channel.unary_unary(
-                '/exo.cluster.Cluster/Elect',
-                request_serializer=exo_dot_cluster__pb2.ElectionMessage.SerializeToString,
-                response_deserializer=exo_dot_cluster__pb2.ElectionMessage.FromString,
                 _registered_method=True)
         self.ListModelFiles = channel.unary_unary(
                 '/exo.cluster.Cluster/ListModelFiles',
@@ -76,18 +81,38 @@ class ClusterServicer:
     """The transport between exo nodes (one server per node, on --grpc-port).
     """
 
+    def Challenge(self, request, context):
+        """Authentication, step 1: the caller's nonce in, the server's nonce and its
+        proof of the secret out. Needs no session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prove(self, request, context):
+        """Authentication, step 2: the caller's proof of the secret in, a session
+        token out (UNAUTHENTICATED for a wrong proof). Needs no session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Hello(self, request, context):
         """Membership and liveness: a node introduces itself to a peer (periodically,
         doubling as a heartbeat); the reply carries the receiver's own facts and
-        the peers it knows, so membership spreads by gossip.
+        the peers it knows, so membership spreads by gossip. There is no election
+        message: every node elects the master on its own from these facts (the
+        same facts give the same master), see exo/shared/election.py.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SendCommand(self, request, context):
-        """Node -> master: an imperative command. Retried until acknowledged; the
-        master ignores duplicates by `id`.
+        """Node -> master: an imperative command. Retried (with the same `id`) until
+        answered; the master indexes a command's events once. A refused command
+        fails with NOT_FOUND or INVALID_ARGUMENT and the reason; a node that is not
+        the master answers FAILED_PRECONDITION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,16 +127,11 @@ class ClusterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SubscribeEvents(self, request, context):
-        """Master -> node: the global, indexed event log from `from_idx` on (a replay
-        of the log, then live events), in index order. A reconnecting node resumes
-        from its last applied index + 1.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Elect(self, request, context):
-        """Election: a node sends its candidacy and view; the peer answers with its own.
+        """Any node -> node: the node's copy of the global, indexed event log from
+        `from_idx` on (a replay of the log, then live events), in index order.
+        Followers read the master's; a new master catches up from the most advanced
+        peer's. A reconnecting node resumes from its last applied index; one older
+        than the sender's compacted log gets a snapshot of the state first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -136,6 +156,16 @@ class ClusterServicer:
 
 def add_ClusterServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Challenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Challenge,
+                    request_deserializer=exo_dot_cluster__pb2.ChallengeRequest.FromString,
+                    response_serializer=exo_dot_cluster__pb2.ChallengeReply.SerializeToString,
+            ),
+            'Prove': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prove,
+                    request_deserializer=exo_dot_cluster__pb2.ProofRequest.FromString,
+                    response_serializer=exo_dot_cluster__pb2.SessionGrant.SerializeToString,
+            ),
             'Hello': grpc.unary_unary_rpc_method_handler(
                     servicer.Hello,
                     request_deserializer=exo_dot_cluster__pb2.HelloRequest.FromString,
@@ -144,7 +174,7 @@ def add_ClusterServicer_to_server(servicer, server):
             'SendCommand': grpc.unary_unary_rpc_method_handler(
                     servicer.SendCommand,
                     request_deserializer=exo_dot_cluster__pb2.CommandEnvelope.FromString,
-                    response_serializer=exo_dot_cluster__pb2.Ack.SerializeToString,
+                    response_serializer=exo_dot_cluster__pb2.CommandReply.SerializeToString,
             ),
             'PublishEvents': grpc.unary_unary_rpc_method_handler(
                     servicer.PublishEvents,
@@ -155,11 +185,6 @@ def add_ClusterServicer_to_server(servicer, server):
                     servicer.SubscribeEvents,
                     request_deserializer=exo_dot_cluster__pb2.SubscribeRequest.FromString,
                     response_serializer=exo_dot_cluster__pb2.IndexedEventEnvelope.SerializeToString,
-            ),
-            'Elect': grpc.unary_unary_rpc_method_handler(
-                    servicer.Elect,
-                    request_deserializer=exo_dot_cluster__pb2.ElectionMessage.FromString,
-                    response_serializer=exo_dot_cluster__pb2.ElectionMessage.SerializeToString,
             ),
             'ListModelFiles': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModelFiles,
@@ -182,6 +207,60 @@ def add_ClusterServicer_to_server(servicer, server):
 class Cluster:
     """The transport between exo nodes (one server per node, on --grpc-port).
     """
+
+    @staticmethod
+    def Challenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/exo.cluster.Cluster/Challenge',
+            exo_dot_cluster__pb2.ChallengeRequest.SerializeToString,
+            exo_dot_cluster__pb2.ChallengeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/exo.cluster.Cluster/Prove',
+            exo_dot_cluster__pb2.ProofRequest.SerializeToString,
+            exo_dot_cluster__pb2.SessionGrant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Hello(request,
@@ -226,7 +305,7 @@ class Cluster:
             target,
             '/exo.cluster.Cluster/SendCommand',
             exo_dot_cluster__pb2.CommandEnvelope.SerializeToString,
-            exo_dot_cluster__pb2.Ack.FromString,
+            exo_dot_cluster__pb2.CommandReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -281,33 +360,6 @@ class Cluster:
             '/exo.cluster.Cluster/SubscribeEvents',
             exo_dot_cluster__pb2.SubscribeRequest.SerializeToString,
             exo_dot_cluster__pb2.IndexedEventEnvelope.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Elect(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/exo.cluster.Cluster/Elect',
-            exo_dot_cluster__pb2.ElectionMessage.SerializeToString,
-            exo_dot_cluster__pb2.ElectionMessage.FromString,
             options,
             channel_credentials,
             insecure,

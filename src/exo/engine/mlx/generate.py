@@ -1,21 +1,57 @@
-"""Text generation on one MLX model with the KV prefix cache consulted first."""
+"""Text generation: one loop over a `Forward`, the KV prefix cache consulted first.
+
+The loop is the same whether the whole model runs here (`LocalModel`) or this
+process is rank 0 of a pipeline (`pipeline.PipelineDriver`):
+
+1. the prefix cache restores the longest cached prefix of the prompt (or misses);
+2. the rest of the prompt but its last token is prefilled in chunks, with
+   progress reports and a cancellation check between chunks;
+3. the last prompt token is forwarded on its own and the first token drawn:
+   a decode loop would start the second step before handing out the first (TTFT);
+4. caches that cannot be cut back store a checkpoint of the prompt then (as
+   they do at the system prompt's end during prefill), off the TTFT path;
+5. decode; token ids become text deltas, cut at EOS or a stop string;
+6. the KV of prompt + reply is stored, so the next turn reuses the reply too.
+
+Tokens are drawn in one place, a `SamplingStep` (`sampling.py`) made from the
+request's params where the logits are: here, or on a pipeline's last rank. A
+request's constraint is a token mask there (`constrained.py`); once its grammar
+is complete the mask allows only EOS, which ends the reply.
+
+With `params.logprobs` each text delta carries the sampled tokens behind it:
+every generated token exactly once (those of held-back text and of a stop
+string too), EOS never.
+"""
 
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from exo.engine.mlx.prefix_cache import KVPrefixCache, PrefixMatch
+from exo.engine.mlx.constrained import compile_constraint, request_sampling
+from exo.engine.mlx.prefix_cache import (
+    KVPrefixCache,
+    LayerCache,
+    PrefixMatch,
+    cached_length,
+    needs_checkpoints,
+    resume,
+)
+from exo.engine.mlx.sampling import PendingToken, SampledToken, SamplingStep
 from exo.engine.stop_sequences import StopMatcher
-from exo.shared.types.tasks import FinishReason, GenerationParams, Usage
+from exo.shared.types.tasks import FinishReason, GenerationParams, SampledLogprob, Usage
 
 PREFILL_STEP_TOKENS = 512
+# Decode runs on its own stream, as mlx_lm's `generate_step` does, so the next
+# step is computed while the current token is turned into text.
+_DECODE_STREAM = mx.new_thread_local_stream(mx.default_device())
+# Give MLX's buffer cache back every this many decoded tokens (as mlx_lm does).
+_CLEAR_CACHE_TOKENS = 256
 
 
 class GenerationCancelled(Exception):
@@ -25,85 +61,144 @@ class GenerationCancelled(Exception):
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+    # With `params.logprobs`: the tokens behind `text` (text may be empty when
+    # they end in a stop string).
+    logprobs: tuple[SampledLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
 class GenerationDone:
     finish_reason: FinishReason
     usage: Usage
+    stop_sequence: str | None = None  # which of `params.stop` ended the reply
 
 
 GenerationOutput = TextDelta | GenerationDone
 
 
+class Forward(Protocol):
+    """The forward passes of one model, as the generation loop runs them: the
+    whole model here (`LocalModel`), or rank 0 driving a pipeline whose other
+    ranks run their layers on what it sends (`pipeline.PipelineDriver`)."""
+
+    def make_cache(self) -> list[LayerCache]:
+        """Empty cache objects for the layers this process holds."""
+        ...
+
+    def request(
+        self,
+        tokens: Sequence[int],
+        params: GenerationParams,
+        system_prompt_length: int,
+        match: PrefixMatch,
+    ) -> AbstractContextManager[None]:
+        """One request's span; the other calls happen inside it. Its `SamplingStep`
+        is made from `params` where the logits are; `match` is this process's
+        prefix-cache decision (a pipeline's ranks check theirs against it)."""
+        ...
+
+    def prefill(self, tokens: Sequence[int], layers: list[LayerCache]) -> None:
+        """Append the KV of `tokens` to `layers`; returns once this process's
+        share is computed (a pipeline's later ranks may still be on it)."""
+        ...
+
+    def next_token(self, token: int, layers: list[LayerCache]) -> SampledToken:
+        """Forward `token` and draw the next one; nothing is computed ahead."""
+        ...
+
+    def decode(
+        self, token: int, layers: list[LayerCache], max_tokens: int
+    ) -> Iterator[SampledToken]:
+        """Up to `max_tokens` tokens after `token`, each fed back in (one step may
+        be computed ahead of the token handed out)."""
+        ...
+
+    def storing(self, tokens: Sequence[int], prompt_length: int) -> None:
+        """The loop is about to store the KV of `tokens`: the prompt, or the prompt
+        and the reply after it (a pipeline's ranks store theirs)."""
+        ...
+
+
+class LocalModel:
+    """`Forward` on a whole model loaded in this process (the tokenizer compiles
+    requests' constraints)."""
+
+    def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self._sampling: SamplingStep | None = None
+
+    def make_cache(self) -> list[LayerCache]:
+        return make_prompt_cache(self.model)
+
+    @contextmanager
+    def request(
+        self,
+        tokens: Sequence[int],
+        params: GenerationParams,
+        system_prompt_length: int,
+        match: PrefixMatch,
+    ) -> Iterator[None]:
+        self._sampling = request_sampling(params, tokens, self.tokenizer)
+        try:
+            yield
+        finally:
+            self._sampling = None
+
+    @property
+    def sampling(self) -> SamplingStep:
+        if self._sampling is None:
+            raise RuntimeError("tokens are drawn only within a request")
+        return self._sampling
+
+    def prefill(self, tokens: Sequence[int], layers: list[LayerCache]) -> None:
+        self.model(mx.array(list(tokens))[None], cache=layers)
+        mx.eval([layer.state for layer in layers])
+
+    def next_token(self, token: int, layers: list[LayerCache]) -> SampledToken:
+        logits = self.model(mx.array([[token]]), cache=layers)[:, -1, :]
+        return self.sampling.sample(logits)
+
+    def decode(
+        self, token: int, layers: list[LayerCache], max_tokens: int
+    ) -> Iterator[SampledToken]:
+        sampling = self.sampling
+
+        def step(previous: mx.array) -> PendingToken:
+            with mx.stream(_DECODE_STREAM):
+                return sampling.draw(self.model(previous[None], cache=layers)[:, -1, :])
+
+        current = step(mx.array([token]))
+        current.async_eval()
+        for n in range(max_tokens):
+            upcoming = step(current.token) if n + 1 < max_tokens else None
+            if upcoming is not None:
+                upcoming.async_eval()
+            yield current.resolve()
+            if n % _CLEAR_CACHE_TOKENS == 0:
+                mx.clear_cache()
+            if upcoming is None:
+                return
+            current = upcoming
+
+    def storing(self, tokens: Sequence[int], prompt_length: int) -> None:
+        pass  # this process holds every layer: the loop's store is the only one
+
+
 class TextGenerator:
+    """Generates text for one request at a time through a `Forward`."""
+
     def __init__(
         self,
-        model: nn.Module,
+        forward: Forward,
         tokenizer: TokenizerWrapper,
         prefix_cache: KVPrefixCache | None,
         prefill_step_tokens: int = PREFILL_STEP_TOKENS,
     ) -> None:
-        self.model = model
+        self.forward = forward
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self.prefill_step_tokens = prefill_step_tokens
-
-    def _prefill(
-        self,
-        tokens: Sequence[int],
-        is_cancelled: Callable[[], bool],
-        on_progress: Callable[[int, int], None],
-    ) -> tuple[list, PrefixMatch]:
-        """Restore the longest cached prefix, prefill all but the last prompt token, store."""
-        cache = self.prefix_cache
-        match = cache.lookup(tokens) if cache else PrefixMatch(None, 0, len(tokens))
-        layers = (cache.restore(match) if cache else None) or make_prompt_cache(self.model)
-        done = match.usable if layers is not None and match.is_hit else 0
-        total = len(tokens) - 1
-        on_progress(done, total)
-        while done < total:
-            if is_cancelled():
-                raise GenerationCancelled
-            chunk = tokens[done : min(done + self.prefill_step_tokens, total)]
-            self.model(mx.array(list(chunk))[None], cache=layers)
-            mx.eval([layer.state for layer in layers])
-            done += len(chunk)
-            on_progress(done, total)
-        return layers, match
-
-    def _first_token(
-        self, last_prompt_token: int, layers: list, sampler: Callable[[mx.array], mx.array]
-    ) -> int:
-        logits = self.model(mx.array([[last_prompt_token]]), cache=layers)[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        return cast(int, sampler(logprobs).item())
-
-    def _decode(
-        self,
-        first: int,
-        tokens: Sequence[int],
-        layers: list,
-        match: PrefixMatch,
-        params: GenerationParams,
-        sampler: Callable[[mx.array], mx.array],
-        system_prompt_length: int,
-    ) -> Iterator[int]:
-        """The first token, then the rest. The prompt's KV is stored once the first
-        token is out (the cache then holds exactly the prompt), off the TTFT path."""
-        yield first
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(tokens, layers, match, system_prompt_length)
-        if params.max_tokens > 1:
-            rest = generate_step(
-                mx.array([first]),
-                self.model,
-                max_tokens=params.max_tokens - 1,
-                sampler=sampler,
-                prompt_cache=layers,
-            )
-            for token, _ in rest:
-                yield int(token)
 
     def generate(
         self,
@@ -115,59 +210,136 @@ class TextGenerator:
     ) -> Iterator[GenerationOutput]:
         if not tokens:
             raise ValueError("the prompt has no tokens")
-        layers, match = self._prefill(tokens, is_cancelled, on_progress)
-        if params.seed is not None:
-            mx.random.seed(params.seed)
-        sampler = make_sampler(temp=params.temperature, top_p=params.top_p)
-        # The first token is computed on its own, not inside generate_step, which
-        # would start the second step before handing out the first (TTFT).
-        first = self._first_token(tokens[-1], layers, sampler)
-        steps = self._decode(first, tokens, layers, match, params, sampler, system_prompt_length)
-        yield from stream_text(self.tokenizer, steps, params, len(tokens), match, is_cancelled)
+        if params.constraint is not None:
+            # Fails the task before any work (in a pipeline the last rank compiles
+            # the same grammar again: it cannot fail there then).
+            compile_constraint(self.tokenizer, params.constraint)
+        match, layers = resume(self.prefix_cache, tokens, self.forward.make_cache)
+        with self.forward.request(tokens, params, system_prompt_length, match):
+            checkpoint = (
+                system_prompt_length
+                if self.prefix_cache is not None and needs_checkpoints(layers)
+                else 0
+            )
+            self._prefill(tokens[:-1], match.usable, layers, is_cancelled, on_progress, checkpoint)
+            generated: list[int] = []
+            steps = self._steps(tokens, layers, params.max_tokens, generated)
+            yield from stream_text(
+                self.tokenizer, steps, params, len(tokens), match.usable, is_cancelled
+            )
+            self._store_reply(tokens, generated, layers)
+
+    def _prefill(
+        self,
+        tokens: Sequence[int],
+        done: int,
+        layers: list[LayerCache],
+        is_cancelled: Callable[[], bool],
+        on_progress: Callable[[int, int], None],
+        checkpoint: int = 0,
+    ) -> None:
+        """Prefill `tokens` from `done` (those were restored) in chunks. Caches that
+        cannot be cut back are stored on the way at `checkpoint` (the system prompt's
+        end), which other conversations with that system prompt restore."""
+        total = len(tokens)
+        on_progress(done, total)
+        while done < total:
+            if is_cancelled():
+                raise GenerationCancelled
+            end = min(done + self.prefill_step_tokens, total)
+            end = checkpoint if done < checkpoint < end else end
+            chunk = tokens[done:end]
+            self.forward.prefill(chunk, layers)
+            done += len(chunk)
+            if done == checkpoint and self.prefix_cache is not None:
+                self.forward.storing(tokens[:done], done)
+                self.prefix_cache.store(tokens[:done], layers)
+            on_progress(done, total)
+
+    def _steps(
+        self,
+        tokens: Sequence[int],
+        layers: list[LayerCache],
+        max_tokens: int,
+        generated: list[int],
+    ) -> Iterator[SampledToken]:
+        """The first token, then the rest (each noted in `generated`). Caches that
+        cannot be cut back store a checkpoint of the prompt in between (before the
+        assistant turn, which the next turn's template may rewrite); the others keep
+        the prompt with the reply, after decode."""
+        first = self.forward.next_token(tokens[-1], layers)
+        generated.append(first.token)
+        yield first
+        if self.prefix_cache is not None and needs_checkpoints(layers):
+            self.forward.storing(tokens, len(tokens))
+            self.prefix_cache.store(tokens, layers)
+        if max_tokens > 1:
+            for sampled in self.forward.decode(first.token, layers, max_tokens - 1):
+                generated.append(sampled.token)
+                yield sampled
+
+    def _store_reply(
+        self, tokens: Sequence[int], generated: Sequence[int], layers: list[LayerCache]
+    ) -> None:
+        """Keep the KV of the prompt and of the reply the cache objects hold, so the
+        next turn, which echoes the reply, reuses it."""
+        held = cached_length(layers)
+        if self.prefix_cache is None or held is None or held < len(tokens):
+            return
+        sequence = [*tokens, *generated][:held]
+        self.forward.storing(sequence, len(tokens))
+        self.prefix_cache.store(sequence, layers)
 
 
 def stream_text(
     tokenizer: TokenizerWrapper,
-    steps: Iterator[int],
+    steps: Iterator[SampledToken],
     params: GenerationParams,
     prompt_tokens: int,
-    match: PrefixMatch,
+    cached_tokens: int,
     is_cancelled: Callable[[], bool],
 ) -> Iterator[GenerationOutput]:
-    """Generated token ids -> text deltas, stopping at EOS or a stop string, then
-    the finish reason and usage. Stops pulling from `steps` once finished."""
+    """Generated tokens -> text deltas (with their logprobs), stopping at EOS or a
+    stop string, then the finish reason and usage. Stops pulling from `steps`
+    once finished."""
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     stops = StopMatcher(tuple(params.stop))
     eos = set(tokenizer.eos_token_ids)
     finish: FinishReason = "length"
-    hit_stop_string = False
     produced = 0
-    for token in steps:
+    # Logprobs of tokens whose text is not out yet (the detokenizer or the stop
+    # matcher holds it back): they go with the next delta.
+    unsent: list[SampledLogprob] = []
+    for sampled in steps:
         produced += 1
-        if token in eos:
+        if sampled.token in eos:
             finish = "stop"
             break
-        detokenizer.add_token(token)
+        if (logprob := sampled.reported()) is not None:
+            unsent.append(logprob)
+        detokenizer.add_token(sampled.token)
         text, hit_stop_string = stops.feed(detokenizer.last_segment)
         if text:
-            yield TextDelta(text=text)
+            yield TextDelta(text=text, logprobs=tuple(unsent))
+            unsent.clear()
         if hit_stop_string:
-            finish = "stop"
             break
         if is_cancelled():
             raise GenerationCancelled
-    if not hit_stop_string:
+    tail = ""
+    if stops.matched is None:
         detokenizer.finalize()
         tail, _ = stops.feed(detokenizer.last_segment)
         tail += stops.flush()
-        if tail:
-            yield TextDelta(text=tail)
+    if stops.matched is not None:
+        finish = "stop"
+    if tail or unsent:
+        yield TextDelta(text=tail, logprobs=tuple(unsent))
     yield GenerationDone(
         finish_reason=finish,
         usage=Usage(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=produced,
-            cached_tokens=match.usable if match.is_hit else 0,
+            prompt_tokens=prompt_tokens, completion_tokens=produced, cached_tokens=cached_tokens
         ),
+        stop_sequence=stops.matched,
     )

@@ -10,18 +10,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model, load_config, load_model, load_tokenizer
 
-from exo.shared.types.state import MlxBackend
+from exo.engine.mlx.backend import backend_name
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
-
-
-def backend_name() -> MlxBackend:
-    """`metal`, `cuda` or `cpu`: where MLX runs by default here."""
-    if mx.metal.is_available():
-        return "metal"
-    if mx.cuda.is_available():
-        return "cuda"
-    return "cpu"
 
 
 def prepare_for_backend(model: ModuleT, config: dict[str, Any]) -> ModuleT:

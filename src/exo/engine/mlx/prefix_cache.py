@@ -1,22 +1,51 @@
 """KV prefix cache: reuse the KV of the longest cached prefix of a prompt.
 
-Entries hold per-layer mlx_lm cache objects. A stored entry is never mutated by
-a request that reuses it: a restore gives the request fresh cache objects whose
-arrays are new handles on the entry's buffers, and MLX copies a buffer on write
-when it is shared (the same Python `mx.array` object would be written in place,
-which is why `copy.deepcopy`/sharing the objects is wrong).
+*Where*: a radix tree over the entries' token ids (`TokenTrie`). *What*: an entry
+is a token sequence whose attention KV lives in chunks shared with every entry
+that has the same tokens up to the chunk's end (`kv_chunks.py`), plus its own
+tail and, for layers that cannot be cut back (sliding window, SSM state), a
+checkpoint of their state at the entry's end. *What goes first*: least recently
+used entries (`choose_evictions`), bounded by a byte budget and memory pressure;
+an evicted entry goes to the disk tier when there is one.
+
+Updates: an entry is replaced only by a sequence that extends it (the new
+sequence starts with all of its tokens); a sequence that diverges inside an
+entry becomes a new entry beside it, so one conversation never overwrites
+another's history. Entries with checkpoints are never replaced: each is a
+snapshot at a message boundary (the prompt's end, the reply's end) that a later
+turn may still need when its template rewrites the previous reply.
+
+A stored entry is never mutated by a request that reuses it: a restore builds
+new cache objects, concatenating chunk copies (written into only after a
+reallocation) and taking new handles on checkpoint buffers (MLX copies a
+buffer on write when it is shared).
 """
 
 import copy
-from collections.abc import Callable, Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from loguru import logger
-from pydantic import BaseModel
 
-from exo.engine.token_trie import TokenTrie
+from exo.engine.cache_diagnostics import Decode, explain_lookup
+from exo.engine.mlx.kv_chunks import (
+    CHUNK_TOKENS,
+    ChunkKey,
+    ChunkStore,
+    LayerKV,
+    assemble,
+    chunk_keys,
+    is_chunked,
+    kv_nbytes,
+    slice_positions,
+)
+from exo.engine.mlx.prefix_cache_disk import DiskTier
+from exo.engine.token_trie import TokenTrie, best_usable
+from exo.shared.types.cache_stats import CacheMiss, CacheStats
 
 LayerCache = Any  # an mlx_lm cache object (KVCache, RotatingKVCache, ArraysCache, ...)
 
@@ -25,14 +54,13 @@ EvictionAgreement = Callable[[list[int]], list[int]]
 ranks each cache their own layers of the same entries (same ids, same LRU order);
 agreeing keeps one rank from holding an entry another dropped."""
 
+# Misses kept for the stats; sequences of evicted entries remembered to explain misses.
+RECENT_MISSES = 20
+EVICTED_REMEMBERED = 256
+
 
 def _local_decision(victims: list[int]) -> list[int]:
     return victims
-
-
-# A hit good enough to update the entry in place instead of adding a new one.
-MIN_UPDATE_TOKENS = 1000
-MIN_UPDATE_FRACTION = 0.5
 
 
 def _fresh_handles(value: Any) -> Any:
@@ -60,17 +88,42 @@ def layers_nbytes(layers: Sequence[LayerCache]) -> int:
     return sum(int(layer.nbytes) for layer in layers)
 
 
-def is_trimmable(layers: Sequence[LayerCache]) -> bool:
-    return all(layer.is_trimmable() for layer in layers)
+def cached_length(layers: Sequence[LayerCache]) -> int | None:
+    """How many tokens the cache objects hold, when a layer keeps count."""
+    for layer in layers:
+        offset = getattr(layer, "offset", None)
+        if isinstance(offset, int):
+            return offset
+    return None
+
+
+def needs_checkpoints(layers: Sequence[LayerCache]) -> bool:
+    """Whether some layer cannot be cut back, so only stored positions restore."""
+    return not all(is_chunked(layer) for layer in layers)
 
 
 @dataclass
 class CacheEntry:
     tokens: tuple[int, ...]
-    layers: list[LayerCache]
-    nbytes: int
-    trimmable: bool
+    chunks: tuple[ChunkKey, ...]
+    tail: list[LayerKV]  # chunked layers' positions after the last full chunk
+    checkpoints: dict[int, LayerCache]  # the other layers, by index, at the entry's end
+    n_layers: int
+    own_nbytes: int  # tail and checkpoints; chunks are counted once, in the store
     last_used: int
+
+    @property
+    def trimmable(self) -> bool:
+        return not self.checkpoints
+
+
+@dataclass(frozen=True)
+class EntryFootprint:
+    """What eviction needs to know of an entry."""
+
+    last_used: int
+    chunks: tuple[ChunkKey, ...]
+    own_nbytes: int
 
 
 @dataclass(frozen=True)
@@ -86,28 +139,35 @@ class PrefixMatch:
         return self.entry_id is not None and self.usable > 0
 
 
-class CacheStats(BaseModel):
-    lookups: int = 0
-    hits_exact: int = 0
-    hits_partial: int = 0
-    misses: int = 0
-    tokens_reused: int = 0
-    entries: int = 0
-    bytes: int = 0
-    evictions: int = 0
-    byte_budget: int = 0
-
-
 def choose_evictions(
-    entries: dict[int, CacheEntry], byte_budget: int, under_pressure: bool, keep: int | None
+    entries: Mapping[int, EntryFootprint],
+    chunk_bytes: Mapping[ChunkKey, int],
+    byte_budget: int,
+    under_pressure: bool,
+    keep: int | None,
 ) -> list[int]:
     """Least recently used first, until within budget (or, under memory pressure,
-    everything but `keep`)."""
-    total = sum(e.nbytes for e in entries.values())
+    everything but `keep`). Dropping an entry frees its own bytes and the chunks no
+    other entry holds."""
+    holders: dict[ChunkKey, int] = {}
+    for entry in entries.values():
+        for key in set(entry.chunks):
+            holders[key] = holders.get(key, 0) + 1
+    total = sum(chunk_bytes.values()) + sum(e.own_nbytes for e in entries.values())
+
+    def drop(entry: EntryFootprint) -> int:
+        freed = entry.own_nbytes
+        for key in set(entry.chunks):
+            holders[key] -= 1
+            freed += chunk_bytes[key] if holders[key] == 0 else 0
+        return freed
+
     # An entry that alone exceeds the budget is dropped, without evicting others for it.
-    oversized = keep if keep in entries and entries[keep].nbytes > byte_budget else None
-    if oversized is not None:
-        total -= entries[oversized].nbytes
+    if keep is not None and keep in entries:
+        kept = entries[keep]
+        alone = kept.own_nbytes + sum(chunk_bytes[key] for key in set(kept.chunks))
+        if alone > byte_budget:
+            return [keep]
     victims: list[int] = []
     for entry_id in sorted(entries, key=lambda i: entries[i].last_used):
         if entry_id == keep:
@@ -115,20 +175,8 @@ def choose_evictions(
         if total <= byte_budget and not under_pressure:
             break
         victims.append(entry_id)
-        total -= entries[entry_id].nbytes
-    if oversized is not None:
-        victims.append(oversized)
+        total -= drop(entries[entry_id])
     return victims
-
-
-def is_good_hit(usable: int, prompt_length: int, system_prompt_length: int) -> bool:
-    """Long enough, a large enough share of the prompt, and past the system prompt
-    (a hit on the system prompt alone is another conversation: add, don't overwrite)."""
-    return (
-        usable >= MIN_UPDATE_TOKENS
-        and usable > system_prompt_length
-        and usable >= MIN_UPDATE_FRACTION * prompt_length
-    )
 
 
 class KVPrefixCache:
@@ -137,117 +185,212 @@ class KVPrefixCache:
         byte_budget: int,
         memory_pressure: Callable[[], bool] = lambda: False,
         agree: EvictionAgreement = _local_decision,
+        disk: DiskTier | None = None,
+        decode: Decode | None = None,
+        chunk_tokens: int = CHUNK_TOKENS,
     ) -> None:
         self.byte_budget = byte_budget
+        self.chunk_tokens = chunk_tokens
         self._memory_pressure = memory_pressure
         self._agree = agree
+        self._disk = disk
+        self._decode = decode
         self._entries: dict[int, CacheEntry] = {}
+        self._chunks = ChunkStore()
         self._trie = TokenTrie()
+        self._evicted = TokenTrie()
+        self._evicted_order: deque[tuple[int, tuple[int, ...]]] = deque()
+        self._misses: deque[CacheMiss] = deque(maxlen=RECENT_MISSES)
+        self._unsaved: set[int] = set()  # entries not yet written to the disk tier
         self._clock = 0
         self._next_id = 0
         self._stats = CacheStats(byte_budget=byte_budget)
+        # When a request last looked up or stored (monotonic): disk writes wait for a lull.
+        self.last_active = time.monotonic()
 
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
 
-    def lookup(self, tokens: Sequence[int]) -> PrefixMatch:
-        """The longest usable cached prefix; at least one prompt token is left to prefill."""
-        key = tuple(tokens)
-        limit = len(key) - 1
-        found = self._trie.match(key)
-        best_id: int | None = None
-        best = 0
-        # Trimmable entries: any entry sharing the matched prefix can be cut to it.
-        shared = min(found.depth, limit)
-        trimmable = [i for i in found.below if self._entries[i].trimmable]
-        if shared > 0 and trimmable:
-            best_id = max(trimmable, key=lambda i: self._entries[i].last_used)
-            best = shared
-        # Any entry ending at or below the match point is usable whole (no trim needed);
-        # the only option for non-trimmable entries.
-        for length, entry_id in found.endings:
-            if length <= limit and length > best:
-                best_id, best = entry_id, length
+    def _best(self, key: tuple[int, ...]) -> tuple[int | None, int]:
+        return best_usable(
+            self._trie.match(key),
+            len(key) - 1,
+            trimmable=lambda i: self._entries[i].trimmable,
+            recency=lambda i: self._entries[i].last_used,
+        )
 
+    def lookup(self, tokens: Sequence[int]) -> PrefixMatch:
+        """The longest usable cached prefix; at least one prompt token is left to prefill.
+        A longer one on disk is brought into memory first."""
+        key = tuple(tokens)
+        self.last_active = time.monotonic()
+        best_id, best = self._best(key)
+        from_disk = False
+        if self._disk is not None and self._disk.best(key)[1] > best:
+            from_disk = self._load_from_disk(key)
+            if from_disk:
+                best_id, best = self._best(key)
         self._stats.lookups += 1
+        self._explain(key, best)
         if best_id is None:
             self._stats.misses += 1
             return PrefixMatch(entry_id=None, usable=0, prompt_length=len(key))
-        if best >= limit:  # the whole prompt but the one token always recomputed
+        if best >= len(key) - 1:  # the whole prompt but the one token always recomputed
             self._stats.hits_exact += 1
         else:
             self._stats.hits_partial += 1
+        if from_disk:
+            self._stats.disk_hits += 1
+        else:
+            self._stats.memory_hits += 1
         self._stats.tokens_reused += best
         self._entries[best_id].last_used = self._tick()
         return PrefixMatch(entry_id=best_id, usable=best, prompt_length=len(key))
+
+    def _explain(self, key: tuple[int, ...], reused: int) -> None:
+        found = self._trie.match(key)
+        nearest = max(found.below, key=lambda i: self._entries[i].last_used, default=None)
+        miss = explain_lookup(
+            key,
+            reused,
+            self._entries[nearest].tokens if nearest is not None else None,
+            self._evicted.match(key).depth,
+            self._decode or (lambda tokens: ""),
+        )
+        if miss is not None:
+            self._misses.append(miss)
+            logger.debug(
+                f"prefix cache {miss.reason}: reused {miss.reused_tokens} of "
+                f"{miss.prompt_tokens} tokens; best entry {miss.best_entry_tokens} tokens, "
+                f"diverging at {miss.diverged_at}: cached {miss.cached_text!r}, "
+                f"prompt {miss.prompt_text!r} (after {miss.context_text!r})"
+            )
+
+    def _load_from_disk(self, key: tuple[int, ...]) -> bool:
+        assert self._disk is not None
+        while True:
+            file_id, usable = self._disk.best(key)
+            if file_id is None or usable == 0:
+                return False
+            loaded = self._disk.load(file_id)
+            if loaded is not None:
+                tokens, layers = loaded
+                return self.store(tokens, layers) is not None
 
     def restore(self, match: PrefixMatch) -> list[LayerCache] | None:
         """Fresh cache objects holding the first `match.usable` tokens, or None on a miss."""
         if match.entry_id is None or match.entry_id not in self._entries:
             return None
-        entry = self._entries[match.entry_id]
-        layers = snapshot_layers(entry.layers)
-        excess = len(entry.tokens) - match.usable
-        if excess > 0:
-            for layer in layers:
-                layer.trim(excess)
+        return self._materialize(self._entries[match.entry_id], match.usable)
+
+    def _materialize(self, entry: CacheEntry, length: int) -> list[LayerCache]:
+        if entry.checkpoints and length != len(entry.tokens):
+            raise ValueError("an entry with checkpoints restores only at its end")
+        chunks = [self._chunks.get(key) for key in entry.chunks[: -(-length // self.chunk_tokens)]]
+        past_chunks = length > len(entry.chunks) * self.chunk_tokens
+        layers: list[LayerCache] = []
+        chunked = 0
+        for index in range(entry.n_layers):
+            if index in entry.checkpoints:
+                layers.extend(snapshot_layers([entry.checkpoints[index]]))
+                continue
+            pieces = [chunk.kv[chunked] for chunk in chunks]
+            if past_chunks:
+                pieces.append(entry.tail[chunked])
+            layers.append(assemble(pieces, length))
+            chunked += 1
         return layers
 
-    def store(
-        self,
-        tokens: Sequence[int],
-        layers: Sequence[LayerCache],
-        match: PrefixMatch,
-        system_prompt_length: int = 0,
-    ) -> int | None:
-        """Keep a copy-on-write snapshot of `layers` (the KV of exactly `tokens`).
+    def store(self, tokens: Sequence[int], layers: Sequence[LayerCache]) -> int | None:
+        """Keep the KV of exactly `tokens`, which `layers` hold (or hold more than).
 
-        Updates the matched entry in place on a good hit; otherwise adds a new
-        entry, so two conversations sharing only a system prompt both stay.
-        Returns the entry id, or None when the entry was too large to keep.
-        """
+        Extends the entry the sequence starts with (replacing it, and any shorter
+        entry on its path) when both can be cut back; otherwise adds an entry.
+        Returns the entry id, or None when it was too large to keep."""
         key = tuple(tokens)
+        self.last_active = time.monotonic()
         if not key:
             return None
-        existing = self._trie.match(key)
-        for length, entry_id in existing.endings:
+        found = self._trie.match(key)
+        for length, entry_id in found.endings:
             if length == len(key):
                 self._entries[entry_id].last_used = self._tick()
                 return entry_id
-        snapshot = snapshot_layers(layers)
-        mx.eval([getattr(layer, "state", []) for layer in snapshot])
-        entry = CacheEntry(
-            tokens=key,
-            layers=snapshot,
-            nbytes=layers_nbytes(snapshot),
-            trimmable=is_trimmable(snapshot),
-            last_used=self._tick(),
+        if found.depth == len(key) and all(is_chunked(layer) for layer in layers):
+            # Already held, inside a longer entry that can be cut back to it.
+            covering = [i for i in found.below if self._entries[i].trimmable]
+            if covering:
+                entry_id = max(covering, key=lambda i: self._entries[i].last_used)
+                self._entries[entry_id].last_used = self._tick()
+                return entry_id
+        entry = self._make_entry(key, layers)
+        extended = (
+            [i for _, i in found.endings if self._entries[i].trimmable] if entry.trimmable else []
         )
-        target = match.entry_id
-        if (
-            target is not None
-            and target in self._entries
-            and is_good_hit(match.usable, len(key), system_prompt_length)
-        ):
-            self._trie.remove(target, self._entries[target].tokens)
-            entry_id = target
+        if extended:
+            entry_id = extended[-1]  # the longest keeps its id: the conversation's entry
+            for replaced in extended:
+                self._forget(replaced)
         else:
             entry_id = self._next_id
             self._next_id += 1
         self._entries[entry_id] = entry
         self._trie.insert(entry_id, key)
+        self._unsaved.add(entry_id)
         self._evict(keep=entry_id)
         return entry_id if entry_id in self._entries else None
+
+    def _make_entry(self, key: tuple[int, ...], layers: Sequence[LayerCache]) -> CacheEntry:
+        chunked = [layer for layer in layers if is_chunked(layer)]
+        for layer in chunked:
+            if layer.offset < len(key):
+                raise ValueError(f"the cache holds {layer.offset} tokens, not {len(key)}")
+        size = self.chunk_tokens
+        keys = chunk_keys(key, size) if chunked else []
+        for i, chunk_key in enumerate(keys):
+            self._chunks.acquire(
+                chunk_key,
+                lambda i=i: [slice_positions(layer, i * size, (i + 1) * size) for layer in chunked],
+            )
+        start = len(keys) * size
+        tail = [slice_positions(layer, start, len(key)) for layer in chunked] if chunked else []
+        checkpoints = {
+            index: snapshot_layers([layer])[0]
+            for index, layer in enumerate(layers)
+            if not is_chunked(layer)
+        }
+        mx.eval(tail, [getattr(layer, "state", []) for layer in checkpoints.values()])
+        return CacheEntry(
+            tokens=key,
+            chunks=tuple(keys),
+            tail=tail if len(key) > start else [],
+            checkpoints=checkpoints,
+            n_layers=len(layers),
+            own_nbytes=kv_nbytes(tail) + layers_nbytes(list(checkpoints.values())),
+            last_used=self._tick(),
+        )
+
+    def _forget(self, entry_id: int) -> None:
+        entry = self._entries.pop(entry_id)
+        self._unsaved.discard(entry_id)
+        self._trie.remove(entry_id, entry.tokens)
+        for key in entry.chunks:
+            self._chunks.release(key)
 
     def _evict(self, keep: int | None) -> None:
         """Drop least recently used entries until within the byte budget, then, under
         memory pressure, one at a time while it lasts (at most every entry but `keep`).
         Each round is agreed with the other ranks, so all of them run the same rounds."""
         while True:
-            victims = choose_evictions(self._entries, self.byte_budget, False, keep)
+            footprints = {
+                i: EntryFootprint(e.last_used, e.chunks, e.own_nbytes)
+                for i, e in self._entries.items()
+            }
+            sizes = self._chunks.sizes()
+            victims = choose_evictions(footprints, sizes, self.byte_budget, False, keep)
             if not victims and self._memory_pressure():
-                victims = choose_evictions(self._entries, self.byte_budget, True, keep)[:1]
+                victims = choose_evictions(footprints, sizes, self.byte_budget, True, keep)[:1]
             victims = self._agree(victims)
             if not victims:
                 return
@@ -255,11 +398,33 @@ class KVPrefixCache:
                 self._drop(entry_id)
 
     def _drop(self, entry_id: int) -> None:
-        entry = self._entries.pop(entry_id)
-        self._trie.remove(entry_id, entry.tokens)
+        entry = self._entries[entry_id]
+        self._save(entry_id)
+        self._forget(entry_id)
+        self._evicted.insert(entry_id, entry.tokens)
+        self._evicted_order.append((entry_id, entry.tokens))
+        if len(self._evicted_order) > EVICTED_REMEMBERED:
+            self._evicted.remove(*self._evicted_order.popleft())
         self._stats.evictions += 1
         mx.clear_cache()  # give the memory back, so pressure readings see it
         logger.debug(f"prefix cache evicted an entry of {len(entry.tokens)} tokens")
+
+    def _save(self, entry_id: int) -> None:
+        self._unsaved.discard(entry_id)
+        if self._disk is not None:
+            entry = self._entries[entry_id]
+            layers = self._materialize(entry, len(entry.tokens))
+            self._disk.save(entry.tokens, layers, entry.trimmable)
+
+    def persist(self, max_entries: int | None = None) -> int:
+        """Write entries not on disk yet to the disk tier, most recently used first:
+        all of them at shutdown, a few at a time while idle. Returns how many."""
+        if self._disk is None:
+            return 0
+        newest = sorted(self._unsaved, key=lambda i: -self._entries[i].last_used)
+        for entry_id in newest[:max_entries]:
+            self._save(entry_id)
+        return len(newest[:max_entries])
 
     def entry_ids(self) -> list[int]:
         return sorted(self._entries)
@@ -268,13 +433,37 @@ class KVPrefixCache:
         return self._entries[entry_id].tokens
 
     def entry_layers(self, entry_id: int) -> list[LayerCache]:
-        return self._entries[entry_id].layers
+        """The entry's whole KV as new cache objects (what a full restore gives)."""
+        entry = self._entries[entry_id]
+        return self._materialize(entry, len(entry.tokens))
 
     def stats(self) -> CacheStats:
+        disk = self._disk
         return self._stats.model_copy(
             update={
                 "entries": len(self._entries),
-                "bytes": sum(e.nbytes for e in self._entries.values()),
+                "chunks": len(self._chunks),
+                "bytes": self.nbytes,
                 "byte_budget": self.byte_budget,
+                "disk_entries": len(disk) if disk else 0,
+                "disk_bytes": disk.nbytes if disk else 0,
+                "disk_byte_budget": disk.byte_budget if disk else 0,
+                "recent_misses": list(self._misses),
             }
         )
+
+    @property
+    def nbytes(self) -> int:
+        return self._chunks.nbytes + sum(e.own_nbytes for e in self._entries.values())
+
+
+def resume(
+    cache: KVPrefixCache | None, tokens: Sequence[int], fresh: Callable[[], list[LayerCache]]
+) -> tuple[PrefixMatch, list[LayerCache]]:
+    """Where a prompt starts: the cache's decision (a miss without a cache) and the
+    cache objects to prefill the rest into, holding the first `match.usable` tokens."""
+    if cache is None:
+        return PrefixMatch(entry_id=None, usable=0, prompt_length=len(tokens)), fresh()
+    match = cache.lookup(tokens)
+    restored = cache.restore(match)
+    return match, fresh() if restored is None else restored

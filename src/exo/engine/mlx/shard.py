@@ -9,7 +9,6 @@ anything is evaluated.
 """
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,37 +20,16 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.utils import load_model
 
 from exo.engine.mlx.load import prepare_for_backend
+from exo.shared.architectures import SHARDABLE_ARCHITECTURES
+from exo.shared.types.shard import LayerRange
 
 # Architectures whose mlx_lm model is `model.embed_tokens -> model.layers[i](h, mask,
 # cache) -> model.norm -> lm_head | tied embedding`, which is what a shard runs.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+SUPPORTED_MODEL_TYPES = SHARDABLE_ARCHITECTURES
 
 
 class UnsupportedShard(ValueError):
-    """The model cannot be split this way (architecture or layer range)."""
-
-
-@dataclass(frozen=True)
-class LayerRange:
-    """Layers [start, end) of a model with `total` layers."""
-
-    start: int
-    end: int
-    total: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.start < self.end <= self.total:
-            raise UnsupportedShard(
-                f"layer range [{self.start}, {self.end}) is not inside the model's {self.total} layers"
-            )
-
-    @property
-    def is_first(self) -> bool:
-        return self.start == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.end == self.total
+    """The model cannot be split this way (architecture or layer count)."""
 
 
 class ShardModel(nn.Module):
@@ -135,9 +113,9 @@ def _tensors_on_disk(model_dir: Path, model: nn.Module) -> set[str]:
     return set(sanitize(weights) if sanitize else weights)
 
 
-def load_shard(model_dir: Path, start: int, end: int) -> ShardModel:
-    """Load layers [start, end) of the model in `model_dir` (plus embedding/head as
-    the position needs) for inference on this machine's backend. The folder may
+def load_shard(model_dir: Path, layers: LayerRange) -> ShardModel:
+    """Load `layers` of the model in `model_dir` (plus embedding/head as the
+    position needs) for inference on this machine's backend. The folder may
     hold only the weight files with this shard's tensors."""
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config.get("model_type")
@@ -145,7 +123,9 @@ def load_shard(model_dir: Path, start: int, end: int) -> ShardModel:
         raise UnsupportedShard(
             f"pipeline sharding supports {sorted(SUPPORTED_MODEL_TYPES)}, not {model_type!r}"
         )
-    layers = LayerRange(start, end, model_layer_count(model_dir))
+    if layers.total != (count := model_layer_count(model_dir)):
+        raise UnsupportedShard(f"{layers} were asked for, but the model has {count} layers")
+    start, end = layers.start, layers.end
     # Lazy: parameters are unevaluated views of the files; only what the shard
     # keeps is ever read, dequantized and evaluated. Not strict: other ranks'
     # weights may be absent (checked below for this shard's own).

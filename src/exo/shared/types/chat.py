@@ -8,7 +8,7 @@ these types, below the adapters, so each is written once.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from exo.shared.types.frozen import FrozenModel
 
@@ -19,6 +19,8 @@ class ToolFunction(FrozenModel):
     name: str
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    # The caller asks for arguments that validate against `parameters` exactly.
+    strict: bool = False
 
 
 class ToolCall(FrozenModel):
@@ -68,3 +70,97 @@ class ChatTurn(FrozenModel):
     # tool turns: which call this is the result of
     tool_call_id: str | None = None
     name: str | None = None
+
+
+class TextPrompt(FrozenModel):
+    """A prompt given as text (legacy completions): tokenized as is, no chat template."""
+
+    kind: Literal["text"] = "text"
+    text: str
+
+
+class TokenPrompt(FrozenModel):
+    """A prompt given as token ids (legacy completions): used as is."""
+
+    kind: Literal["tokens"] = "tokens"
+    tokens: tuple[int, ...] = Field(min_length=1)
+
+
+RawPrompt = Annotated[TextPrompt | TokenPrompt, Field(discriminator="kind")]
+
+# Names the chat template call sets itself (or that steer the tokenizer, not the
+# template): a request's template variables may not use them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class Sampling(FrozenModel):
+    """How the next token is chosen. None: the model's default (its
+    generation_config.json, else no effect). Each adapter checks the ranges its
+    API documents; these types only carry the values."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0: all tokens
+    min_p: float | None = None
+    repetition_penalty: float | None = None  # 1.0: none
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] = Field(default_factory=dict[int, float])  # token id -> bias
+    seed: int | None = None
+
+
+class ChatRequest(FrozenModel):
+    """What every API asks of a model: a conversation rendered through the chat
+    template (`turns`), or a raw `prompt` that skips templating (legacy
+    completions), plus how to generate the reply."""
+
+    # The name the client asked for (an alias, any text): not a path, so not a
+    # validated `ModelId`; the route puts the served model's id here.
+    model: str
+    turns: tuple[ChatTurn, ...] = ()
+    prompt: RawPrompt | None = None
+    tools: tuple[ToolFunction, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat = TextFormat()
+    max_tokens: int | None = Field(default=None, ge=1)  # None: up to the remaining context
+    stop: tuple[str, ...] = ()
+    sampling: Sampling = Sampling()
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0)  # alternatives reported per token
+    # Extra variables of the chat template, e.g. {"enable_thinking": False}.
+    template_kwargs: dict[str, Any] = Field(default_factory=dict[str, Any])
+    reasoning_effort: ReasoningEffort | None = None
+    stream: bool = False
+    include_usage: bool = False  # streams end with a usage chunk
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ChatRequest":
+        if (self.prompt is None) == (not self.turns):
+            raise ValueError("a chat request has either turns or a raw prompt")
+        if self.prompt is not None and self.tools:
+            raise ValueError("tools need a chat template; a raw prompt has none")
+        if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs)):
+            raise ValueError(f"template_kwargs may not set {', '.join(reserved)}")
+        return self

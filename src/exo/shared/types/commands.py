@@ -1,5 +1,6 @@
 """Commands: what a node asks the master to do (imperative). The master decides
-them against its state and turns them into events, or rejects them."""
+them against its state and turns them into events, or rejects them; a carried
+out command answers with the index of its last event (see `ClusterView`)."""
 
 from typing import Annotated, Literal
 
@@ -7,6 +8,7 @@ from pydantic import Field, TypeAdapter
 
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import InstanceId, ModelId
+from exo.shared.types.model_card import ModelCard
 from exo.shared.types.state import InstanceRank
 
 
@@ -17,6 +19,8 @@ class CreateInstance(FrozenModel):
     instance_id: InstanceId
     model_id: ModelId
     ranks: tuple[InstanceRank, ...] = Field(min_length=1)
+    # The model's card, for a model the cluster has no card of (e.g. from the hub).
+    card: ModelCard | None = None
 
 
 class PlaceInstance(FrozenModel):
@@ -27,6 +31,8 @@ class PlaceInstance(FrozenModel):
     model_id: ModelId
     min_nodes: int = Field(default=1, ge=1)
     max_nodes: int | None = Field(default=None, ge=1)
+    # The model's card, for a model the cluster has no card of (e.g. from the hub).
+    card: ModelCard | None = None
 
 
 class DeleteInstance(FrozenModel):
@@ -39,3 +45,15 @@ Command = Annotated[
     Field(discriminator="kind"),
 ]
 command_adapter: TypeAdapter[Command] = TypeAdapter(Command)
+
+
+class CommandRejected(Exception):
+    """The master refused a command; the message says why (shown to the user)."""
+
+    def __init__(self, message: str, not_found: bool = False) -> None:
+        super().__init__(message)
+        self.not_found = not_found
+
+
+class ClusterUnavailable(Exception):
+    """No master could be reached to carry out a command."""

@@ -21,6 +21,8 @@ class NodeTelemetry(FrozenModel):
     platform: str
     mlx_backend: MlxBackend
     accepts_instances: bool = True  # False: a node started with --no-worker
+    # Why the node cannot write its event log (e.g. a full disk); None when it can.
+    event_log_error: str | None = None
 
 
 class NodeInfo(FrozenModel):
@@ -50,6 +52,9 @@ class Instance(FrozenModel):
     # "ip:port" each rank's runner listens on for mx.distributed (ring backend),
     # in rank order; empty for a single rank.
     ring_hosts: tuple[str, ...] = ()
+    # What the placement asked for: a re-placement asks for the same.
+    min_nodes: int = Field(default=1, ge=1)
+    max_nodes: int | None = Field(default=None, ge=1)
 
     @property
     def n_layers(self) -> int:

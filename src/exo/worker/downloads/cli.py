@@ -6,12 +6,12 @@ from pathlib import Path
 
 from loguru import logger
 
-from exo.master.placement import human_bytes
+from exo.models.file_source import DownloadError
 from exo.models.store import model_dir
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.ids import ModelId
+from exo.shared.units import human_bytes
 from exo.worker.downloads.hub import HubSource
-from exo.worker.downloads.source import DownloadError
 from exo.worker.downloads.transfer import download_files
 
 BAR_WIDTH = 30

@@ -9,16 +9,17 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from exo.shared.types.ids import ModelId
-from exo.worker.downloads.source import (
+from exo.models.file_source import (
     DownloadError,
     FileSource,
     RemoteFile,
     SourceUnavailable,
     TransientError,
 )
+from exo.shared.types.ids import ModelId
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
+_REVISION = "main"  # the branch files are read from
 # Bounds every connect and every read: a stalled transfer is retried, not awaited.
 _TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 _MAX_PAGES = 10_000  # of a tree listing; the hub pages by 1000 entries
@@ -48,24 +49,16 @@ class HubSource(FileSource):
     """Repo id = model id (`org/name`). `endpoint` defaults to `HF_ENDPOINT`, else
     huggingface.co; `token` to `HF_TOKEN` (needed for gated and private repos)."""
 
-    def __init__(
-        self,
-        endpoint: str | None = None,
-        token: str | None = None,
-        revision: str = "main",
-        timeout: httpx.Timeout = _TIMEOUT,
-    ) -> None:
+    def __init__(self, endpoint: str | None = None, token: str | None = None) -> None:
         self.name = "hub"
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         self.token = token or os.environ.get("HF_TOKEN") or None
-        self.revision = revision
-        self.timeout = timeout
 
     def _client(self) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         # httpx drops the Authorization header on a redirect to another host
         # (the hub sends large files to a CDN with a signed URL).
-        return httpx.AsyncClient(headers=headers, timeout=self.timeout, follow_redirects=True)
+        return httpx.AsyncClient(headers=headers, timeout=_TIMEOUT, follow_redirects=True)
 
     def _check(self, response: httpx.Response, model_id: ModelId, what: str) -> None:
         status = response.status_code
@@ -92,8 +85,7 @@ class HubSource(FileSource):
         raise DownloadError(f"HTTP {status} from {self.endpoint} for {what}{detail}")
 
     async def list_files(self, model_id: ModelId) -> list[RemoteFile]:
-        revision = quote(self.revision, safe="")
-        url = httpx.URL(f"{self.endpoint}/api/models/{model_id}/tree/{revision}")
+        url = httpx.URL(f"{self.endpoint}/api/models/{model_id}/tree/{_REVISION}")
         params: dict[str, str] | None = {"recursive": "true"}
         files: list[RemoteFile] = []
         try:
@@ -114,8 +106,7 @@ class HubSource(FileSource):
         raise DownloadError(f"{model_id}: the listing has more than {_MAX_PAGES} pages")
 
     async def read(self, model_id: ModelId, path: str, offset: int) -> AsyncIterator[bytes]:
-        revision = quote(self.revision, safe="")
-        url = f"{self.endpoint}/{model_id}/resolve/{revision}/{quote(path)}"
+        url = f"{self.endpoint}/{model_id}/resolve/{_REVISION}/{quote(path)}"
         # identity: the bytes counted and resumed from are the file's own.
         headers = {"Accept-Encoding": "identity"}
         if offset > 0:

@@ -5,9 +5,9 @@ A file is written to `<name>.partial`, resumed from there after an interruption
 into place atomically: a file under its final name is always complete.
 """
 
+import errno
 import hashlib
 import os
-import shutil
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Sequence
@@ -17,16 +17,17 @@ import anyio
 import anyio.to_thread
 from loguru import logger
 
-from exo.master.placement import human_bytes
-from exo.shared.types.downloads import DownloadProgress
-from exo.shared.types.ids import ModelId
-from exo.worker.downloads.source import (
+from exo.models.file_source import (
     DownloadError,
     FileSource,
     RemoteFile,
     SourceUnavailable,
     TransientError,
 )
+from exo.models.local_store import PARTIAL_SUFFIX
+from exo.shared.types.downloads import DownloadProgress
+from exo.shared.types.ids import ModelId
+from exo.worker.downloads.disk_space import DiskSpace, Reservation
 
 ATTEMPTS = 4  # per source and file
 RETRY_DELAY_SECONDS = 0.5  # doubles after every failed attempt
@@ -38,16 +39,11 @@ SPEED_WINDOW_SECONDS = 5.0
 _SAMPLE_SECONDS = 0.1  # one speed sample per this long keeps the window short
 # What `fetch_file` returns for a file that was already complete here.
 ALREADY_HERE = "local"
-PARTIAL_SUFFIX = ".partial"
 _HASH_BLOCK = 1 << 20
 
 
 class _VerificationFailed(Exception):
     pass
-
-
-def free_disk_bytes(path: Path) -> int:
-    return shutil.disk_usage(path).free
 
 
 def local_path(dest_dir: Path, path: str) -> Path:
@@ -215,6 +211,13 @@ async def fetch_file(
             except (SourceUnavailable, DownloadError) as error:
                 reasons.append(f"{source.name}: {error}")
                 break
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise
+                # Another source would fill the same disk: stop here (the partial is kept).
+                raise DownloadError(
+                    f"the disk is full: cannot write {remote.path} of {model_id} in {dest_dir}"
+                ) from error
             except TransientError as error:
                 reason = f"{source.name}: {error}"
             except _VerificationFailed as error:
@@ -366,27 +369,55 @@ async def download_files(
     on_progress: Callable[[DownloadProgress], None],
     throttle_seconds: float = 0.5,
     *,
-    disk_free: Callable[[Path], int] = free_disk_bytes,
+    disk: DiskSpace | None = None,
     attempts: int = ATTEMPTS,
     retry_delay: float = RETRY_DELAY_SECONDS,
 ) -> None:
     """Download `wanted` files of `model_id` (None: all) into `dest_dir`, one by
     one, reporting progress; raises `DownloadError` when it cannot. Files already
-    here are kept, partial ones resumed."""
+    here are kept, partial ones resumed. The space it needs is reserved in
+    `disk` first (the node's downloads share one; None: the default floor only)."""
     files = await files_to_fetch(
         sources, model_id, wanted, attempts=attempts, retry_delay=retry_delay
     )
     dest_dir.mkdir(parents=True, exist_ok=True)
     present = {f.path: present_bytes(dest_dir, f) for f in files}
     needed = sum(f.size for f in files) - sum(present.values())
-    free = disk_free(dest_dir)
-    if needed > free:
-        raise DownloadError(
-            f"needs {human_bytes(needed)} more, {human_bytes(free)} free in {dest_dir}"
+    with (disk or DiskSpace()).reserve(dest_dir, needed) as reservation:
+        await _download_all(
+            sources,
+            model_id,
+            files,
+            dest_dir,
+            present,
+            on_progress,
+            throttle_seconds,
+            reservation,
+            attempts=attempts,
+            retry_delay=retry_delay,
         )
+
+
+async def _download_all(
+    sources: Sequence[FileSource],
+    model_id: ModelId,
+    files: Sequence[RemoteFile],
+    dest_dir: Path,
+    present: dict[str, int],
+    on_progress: Callable[[DownloadProgress], None],
+    throttle_seconds: float,
+    reservation: Reservation,
+    *,
+    attempts: int,
+    retry_delay: float,
+) -> None:
     have = {f.path for f in files if is_complete(dest_dir, f)}
     progress = _Progress(model_id, files, present, have, on_progress, throttle_seconds)
     progress.report()
+
+    def on_bytes(n: int) -> None:
+        progress.add(n)
+        reservation.consume(n)
 
     def on_source(name: str) -> None:
         progress.source = name
@@ -399,7 +430,7 @@ async def download_files(
             model_id,
             remote,
             dest_dir,
-            progress.add,
+            on_bytes,
             on_source=on_source,
             attempts=attempts,
             retry_delay=retry_delay,

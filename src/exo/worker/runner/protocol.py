@@ -9,11 +9,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
 
-from exo.engine.mlx.prefix_cache import CacheStats
+from exo.shared.types.cache_stats import CacheStats
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import TaskId
 from exo.shared.types.runner import RunnerStatus
-from exo.shared.types.tasks import FinishReason, GenerationParams, Usage
+from exo.shared.types.tasks import FinishReason, GenerationParams, SampledLogprobs, Usage
 
 
 class Generate(FrozenModel):
@@ -33,23 +33,10 @@ class Shutdown(FrozenModel):
     kind: Literal["shutdown"] = "shutdown"
 
 
-class LoadedShard(FrozenModel):
-    """What a runner loaded: its rank of the instance's pipeline group, its layers
-    [start_layer, end_layer), and the memory its weights take."""
-
-    rank: int
-    world_size: int
-    start_layer: int
-    end_layer: int
-    weight_bytes: int
-    peak_memory_bytes: int  # MLX's peak allocation while loading
-
-
 class StatusChanged(FrozenModel):
     kind: Literal["status"] = "status"
     status: RunnerStatus
     error: str | None = None
-    shard: LoadedShard | None = None  # on the first "ready"
 
 
 class PrefillProgress(FrozenModel):
@@ -63,6 +50,8 @@ class Chunk(FrozenModel):
     kind: Literal["chunk"] = "chunk"
     task_id: TaskId
     text: str
+    # With `params.logprobs`: the sampled tokens behind this text, each once.
+    logprobs: SampledLogprobs | None = None
 
 
 class Finished(FrozenModel):
@@ -70,6 +59,7 @@ class Finished(FrozenModel):
     task_id: TaskId
     finish_reason: FinishReason
     usage: Usage
+    stop_sequence: str | None = None  # which of `params.stop` ended the reply
 
 
 class TaskFailed(FrozenModel):

@@ -6,8 +6,9 @@ Started by the supervisor as `python -m exo.worker.runner.runner_main`. Reads
 original stdout; everything else printed goes to stderr.
 
 Pipeline ranks: with `MLX_HOSTFILE` (a JSON list, per rank, of one "ip:port")
-and `MLX_RANK` in the environment and `--start-layer S --end-layer E`, the
-runner is one rank of an `mx.distributed` ring group holding layers [S, E).
+and `MLX_RANK` in the environment and `--start-layer S --end-layer E
+--total-layers N`, the runner is one rank of an `mx.distributed` ring group
+holding layers [S, E) of the model's N.
 Rank 0 takes `Generate`/`Cancel` and reports task messages; every rank reports
 its status and cache stats, and obeys `Shutdown` and the end of stdin. Without
 them the runner holds the whole model, alone.
@@ -24,7 +25,6 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NoReturn
 
@@ -32,6 +32,8 @@ import psutil
 from loguru import logger
 from pydantic import ValidationError
 
+from exo.shared.types.shard import LayerRange
+from exo.shared.types.tasks import SampledLogprobs
 from exo.worker.runner.protocol import (
     CacheStatsReport,
     Cancel,
@@ -39,7 +41,6 @@ from exo.worker.runner.protocol import (
     Finished,
     FromRunner,
     Generate,
-    LoadedShard,
     PrefillProgress,
     Shutdown,
     StatusChanged,
@@ -50,13 +51,14 @@ from exo.worker.runner.protocol import (
 
 if TYPE_CHECKING:
     from exo.engine.mlx.generate import TextGenerator
-    from exo.engine.mlx.pipeline import PipelineDriver
     from exo.engine.mlx.prefix_cache import KVPrefixCache
 
 # Below this share of free RAM the prefix cache evicts regardless of its budget.
 LOW_MEMORY_FRACTION = 0.08
 IDLE_POLL_SECONDS = 1.0
 STOP_GRACE_SECONDS = 1.0
+# The prefix cache writes to disk only after this long without a request.
+PERSIST_AFTER_IDLE_SECONDS = 5.0
 
 
 def _memory_pressure() -> bool:
@@ -64,12 +66,32 @@ def _memory_pressure() -> bool:
     return memory.available < LOW_MEMORY_FRACTION * memory.total
 
 
-@dataclass(frozen=True)
-class Placement:
-    """This runner's part of a pipeline instance: layers [start, end) on a ring."""
-
-    start_layer: int
-    end_layer: int
+def runner_command(
+    model_dir: Path,
+    prefix_cache_bytes: int,
+    layers: LayerRange | None,
+    prefix_cache_dir: Path | None = None,
+    prefix_cache_disk_bytes: int = 0,
+) -> list[str]:
+    """The command line that starts a runner: the whole model, or `layers` of it
+    as one rank of a ring (`MLX_HOSTFILE` and `MLX_RANK` set in its environment).
+    With `prefix_cache_dir` and disk bytes, the prefix cache keeps entries there."""
+    command = [
+        sys.executable,
+        "-m",
+        "exo.worker.runner.runner_main",
+        "--model-dir",
+        str(model_dir),
+        "--prefix-cache-bytes",
+        str(prefix_cache_bytes),
+    ]
+    if prefix_cache_dir is not None and prefix_cache_disk_bytes > 0:
+        command += ["--prefix-cache-dir", str(prefix_cache_dir)]
+        command += ["--prefix-cache-disk-bytes", str(prefix_cache_disk_bytes)]
+    if layers is not None:
+        command += ["--start-layer", str(layers.start), "--end-layer", str(layers.end)]
+        command += ["--total-layers", str(layers.total)]
+    return command
 
 
 class Runner:
@@ -137,56 +159,73 @@ class Runner:
                 TaskFailed(task_id=task.task_id, error="only rank 0 of a pipeline takes tasks")
             )
 
-    def _ready(self, cache: "KVPrefixCache | None", shard: LoadedShard | None = None) -> None:
-        self.send(StatusChanged(status="ready", shard=shard))
+    def _ready(self, cache: "KVPrefixCache | None") -> None:
+        self.send(StatusChanged(status="ready"))
         if cache is not None:
             self.send(CacheStatsReport(stats=cache.stats()))
 
-    def serve(self, model_dir: Path, prefix_cache_bytes: int, placement: Placement | None) -> None:
+    def serve(
+        self,
+        model_dir: Path,
+        prefix_cache_bytes: int,
+        layers: LayerRange | None,
+        disk: tuple[Path, int] | None = None,
+    ) -> None:
         self.send(StatusChanged(status="loading"))
-        if placement is None:
-            self._serve_whole_model(model_dir, prefix_cache_bytes)
+        if layers is None:
+            self._serve_whole_model(model_dir, prefix_cache_bytes, disk)
         else:
             self.pipelined = True
-            self._serve_rank(model_dir, prefix_cache_bytes, placement)
+            self._serve_rank(model_dir, prefix_cache_bytes, layers)
 
-    def _serve_whole_model(self, model_dir: Path, prefix_cache_bytes: int) -> None:
+    def _serve_whole_model(
+        self, model_dir: Path, prefix_cache_bytes: int, disk: tuple[Path, int] | None
+    ) -> None:
         # Imported here so a broken MLX install is reported as a failed runner.
-        import mlx.core as mx
-
-        from exo.engine.mlx.generate import TextGenerator
-        from exo.engine.mlx.load import load_for_inference, parameter_bytes
+        from exo.engine.mlx.generate import LocalModel, TextGenerator
+        from exo.engine.mlx.load import load_for_inference
         from exo.engine.mlx.prefix_cache import KVPrefixCache
+        from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
 
         model, tokenizer = load_for_inference(model_dir)
-        shard = LoadedShard(
-            rank=0,
-            world_size=1,
-            start_layer=0,
-            end_layer=len(getattr(model, "layers", ())),
-            weight_bytes=parameter_bytes(model),
-            peak_memory_bytes=mx.get_peak_memory(),
-        )
         cache = (
-            KVPrefixCache(prefix_cache_bytes, memory_pressure=_memory_pressure)
+            KVPrefixCache(
+                prefix_cache_bytes,
+                memory_pressure=_memory_pressure,
+                disk=DiskTier(disk[0], cache_namespace(model_dir, None), disk[1]) if disk else None,
+                decode=tokenizer.decode,
+            )
             if prefix_cache_bytes > 0
             else None
         )
-        self._ready(cache, shard)
-        self._run_tasks(TextGenerator(model, tokenizer, cache), cache, lambda: None)
+        self._ready(cache)
+        self._run_tasks(
+            TextGenerator(LocalModel(model, tokenizer), tokenizer, cache),
+            lambda: self._persist_while_idle(cache),
+        )
+        if cache is not None:
+            cache.persist()
 
-    def _serve_rank(self, model_dir: Path, prefix_cache_bytes: int, placement: Placement) -> None:
+    def _persist_while_idle(self, cache: "KVPrefixCache | None") -> None:
+        """Once requests pause, write the newest entry not on disk yet (one per idle
+        poll, so a request that comes waits for one file at most), then report it."""
+        if cache is None or time.monotonic() - cache.last_active < PERSIST_AFTER_IDLE_SECONDS:
+            return
+        if cache.persist(max_entries=1):
+            self.send(CacheStatsReport(stats=cache.stats()))
+
+    def _serve_rank(self, model_dir: Path, prefix_cache_bytes: int, layers: LayerRange) -> None:
         import mlx.core as mx
 
+        from exo.engine.mlx.generate import TextGenerator
         from exo.engine.mlx.load import load_model_tokenizer, parameter_bytes
         from exo.engine.mlx.pipeline import (
-            PeerLost,
             PipelineDriver,
             PipelineFollower,
             handshake,
-            join_ring,
             ring_prefix_cache,
         )
+        from exo.engine.mlx.ring import PeerLost, join_ring
         from exo.engine.mlx.shard import load_shard
 
         # Join before loading: ranks start together, while loading times differ
@@ -197,50 +236,42 @@ class Runner:
         logger.info(
             f"joined the pipeline group as rank {link.rank} of {link.size} in {joined - started:.1f}s"
         )
-        shard = load_shard(model_dir, placement.start_layer, placement.end_layer)
+        shard = load_shard(model_dir, layers)
         logger.info(
-            f"loaded layers [{placement.start_layer}, {placement.end_layer}) "
-            f"({parameter_bytes(shard) / 1e6:.0f} MB) in {time.monotonic() - joined:.1f}s"
+            f"loaded {layers} ({parameter_bytes(shard) / 1e6:.0f} MB, peak "
+            f"{mx.get_peak_memory() / 1e6:.0f} MB) in {time.monotonic() - joined:.1f}s"
         )
         cache = ring_prefix_cache(link, prefix_cache_bytes, _memory_pressure)
         # Everything slow comes before the handshake: after it, rank 0's heartbeats
-        # must start within the followers' idle bound.
-        tokenizer = load_model_tokenizer(model_dir) if link.rank == 0 else None
+        # must start within the followers' idle bound. Rank 0 detokenizes, the last
+        # rank samples (constraints need the tokenizer).
+        needs_tokenizer = link.rank == 0 or link.is_last
+        tokenizer = load_model_tokenizer(model_dir) if needs_tokenizer else None
         stop_if_asked = self._stop_if_asked if link.rank == 0 else self._follow
-        handshake(link, shard.layer_range, cache is not None, interrupt=stop_if_asked)
-        loaded = LoadedShard(
-            rank=link.rank,
-            world_size=link.size,
-            start_layer=placement.start_layer,
-            end_layer=placement.end_layer,
-            weight_bytes=parameter_bytes(shard),
-            peak_memory_bytes=mx.get_peak_memory(),
-        )
-        if tokenizer is None:
-            self._ready(cache, loaded)
-            PipelineFollower(link, shard, cache).serve(
+        handshake(link, layers, cache is not None, interrupt=stop_if_asked)
+        if link.rank != 0:
+            self._ready(cache)
+            PipelineFollower(link, shard, cache, tokenizer).serve(
                 interrupt=self._follow,
                 on_task_start=lambda: self.send(StatusChanged(status="running")),
                 on_task_end=lambda: self._ready(cache),
             )
             return
-        driver = PipelineDriver(link, shard, tokenizer, cache)
-        self._ready(cache, loaded)
+        assert tokenizer is not None
+        driver = PipelineDriver(link, shard)
+        self._ready(cache)
         with contextlib.suppress(SystemExit):
-            self._run_tasks(driver, cache, driver.keep_alive)
+            self._run_tasks(TextGenerator(driver, tokenizer, cache), driver.keep_alive)
         with contextlib.suppress(PeerLost):  # a rank stopped along with us may be gone already
             driver.shutdown()
 
-    def _run_tasks(
-        self,
-        generator: "TextGenerator | PipelineDriver",
-        cache: "KVPrefixCache | None",
-        keep_alive: Callable[[], None],
-    ) -> None:
+    def _run_tasks(self, generator: "TextGenerator", keep_alive: Callable[[], None]) -> None:
         """Take tasks in order until shutdown; `keep_alive` runs while idle."""
+        from exo.engine.constraint_grammar import ConstraintError
         from exo.engine.mlx.generate import GenerationCancelled, TextDelta
-        from exo.engine.mlx.pipeline import PipelineFailure
+        from exo.engine.mlx.ring import PipelineFailure
 
+        cache = generator.prefix_cache
         while True:
             if not self._pending:
                 keep_alive()
@@ -269,17 +300,25 @@ class Runner:
                 )
                 for output in outputs:
                     if isinstance(output, TextDelta):
-                        self.send(Chunk(task_id=task.task_id, text=output.text))
+                        logprobs = (
+                            SampledLogprobs(tokens=output.logprobs)
+                            if task.params.logprobs
+                            else None
+                        )
+                        self.send(Chunk(task_id=task.task_id, text=output.text, logprobs=logprobs))
                     else:
                         self.send(
                             Finished(
                                 task_id=task.task_id,
                                 finish_reason=output.finish_reason,
                                 usage=output.usage,
+                                stop_sequence=output.stop_sequence,
                             )
                         )
             except GenerationCancelled:
                 self.send(TaskFailed(task_id=task.task_id, error="cancelled"))
+            except ConstraintError as error:  # the request's fault: no traceback
+                self.send(TaskFailed(task_id=task.task_id, error=f"invalid constraint: {error}"))
             except PipelineFailure as error:  # the group is gone: so is every task
                 for failed in [task, *self._pending]:
                     self.send(TaskFailed(task_id=failed.task_id, error=str(error)))
@@ -311,16 +350,17 @@ def _read_stdin(inbox: "queue.Queue[ToRunner | None]") -> None:
         inbox.put(None)  # the supervisor closed our stdin (or it broke): shut down
 
 
-def _placement(args: argparse.Namespace) -> Placement | None:
+def _layers(args: argparse.Namespace) -> LayerRange | None:
     ring_env = "MLX_HOSTFILE" in os.environ and "MLX_RANK" in os.environ
-    layers = (args.start_layer, args.end_layer)
-    if layers == (None, None) and not ring_env:
+    bounds = (args.start_layer, args.end_layer, args.total_layers)
+    if bounds == (None, None, None) and not ring_env:
         return None
-    if None in layers or not ring_env:
+    if None in bounds or not ring_env:
         raise ValueError(
-            "a pipeline rank needs --start-layer, --end-layer, MLX_HOSTFILE and MLX_RANK"
+            "a pipeline rank needs --start-layer, --end-layer, --total-layers, "
+            "MLX_HOSTFILE and MLX_RANK"
         )
-    return Placement(start_layer=args.start_layer, end_layer=args.end_layer)
+    return LayerRange(start=args.start_layer, end=args.end_layer, total=args.total_layers)
 
 
 def _exit(code: int) -> NoReturn:
@@ -334,8 +374,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="exo runner process")
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--prefix-cache-bytes", type=int, required=True)
+    parser.add_argument("--prefix-cache-dir", type=Path, help="the prefix cache's disk tier")
+    parser.add_argument("--prefix-cache-disk-bytes", type=int, default=0)
     parser.add_argument("--start-layer", type=int, help="first layer of this pipeline rank")
     parser.add_argument("--end-layer", type=int, help="end (exclusive) of this rank's layers")
+    parser.add_argument("--total-layers", type=int, help="the model's layer count")
     args = parser.parse_args()
     # Ctrl-C reaches the whole process group; the node stops us via stdin instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -350,7 +393,12 @@ def main() -> None:
     threading.Thread(target=_read_stdin, args=(inbox,), daemon=True).start()
     runner = Runner(protocol_out, inbox)
     try:
-        runner.serve(args.model_dir, args.prefix_cache_bytes, _placement(args))
+        disk = (
+            (args.prefix_cache_dir, args.prefix_cache_disk_bytes)
+            if args.prefix_cache_dir is not None and args.prefix_cache_disk_bytes > 0
+            else None
+        )
+        runner.serve(args.model_dir, args.prefix_cache_bytes, _layers(args), disk)
     except SystemExit:
         pass
     except BaseException as error:

@@ -7,10 +7,8 @@ runner is started again after a back-off.
 
 import json
 import math
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -20,9 +18,11 @@ from anyio.streams.text import TextReceiveStream
 from loguru import logger
 from pydantic import ValidationError
 
-from exo.engine.mlx.prefix_cache import CacheStats
-from exo.shared.types.ids import InstanceId, ModelId, TaskId
+from exo.shared.types.cache_stats import CacheStats
+from exo.shared.types.ids import TaskId
 from exo.shared.types.runner import RunnerStatus
+from exo.shared.types.shard import LayerRange
+from exo.shared.types.state import Instance
 from exo.worker.runner.blas import runner_environment
 from exo.worker.runner.protocol import (
     CacheStatsReport,
@@ -36,6 +36,7 @@ from exo.worker.runner.protocol import (
     ToRunner,
     from_runner_adapter,
 )
+from exo.worker.runner.runner_main import runner_command
 
 RESTART_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
 SHUTDOWN_GRACE_SECONDS = 5.0
@@ -52,37 +53,34 @@ class RunnerUnavailable(Exception):
 _SEND_ERRORS = (RunnerUnavailable, anyio.BrokenResourceError, OSError, TimeoutError)
 
 
-@dataclass(frozen=True)
-class PipelineRank:
-    """This runner's part of a multi-rank instance."""
-
-    instance_id: InstanceId
-    rank: int
-    start_layer: int
-    end_layer: int
-    ring_hosts: tuple[str, ...]  # "ip:port" per rank, for mx.distributed's ring backend
-
-    def hostfile_json(self) -> str:
-        return json.dumps([[host] for host in self.ring_hosts])
-
-
 class RunnerSupervisor:
+    """The runner of one rank of an instance (the whole model, for a single rank)."""
+
     def __init__(
         self,
-        model_id: ModelId,
+        instance: Instance,
+        rank: int,
         model_dir: Path,
         prefix_cache_bytes: int,
         cache_dir: Path,
         on_status: Callable[[RunnerStatus, str | None], None] = lambda status, error: None,
-        pipeline: PipelineRank | None = None,
-        restart: bool = True,
+        prefix_cache_disk_bytes: int = 0,
     ) -> None:
-        self.model_id = model_id
-        self.pipeline = pipeline
+        self.instance = instance
+        self.rank = rank
+        self.model_id = instance.model_id
+        part = instance.ranks[rank]
+        # None: the whole model, alone; else this rank's layers, on a ring.
+        self.layers = (
+            LayerRange(start=part.start_layer, end=part.end_layer, total=instance.n_layers)
+            if len(instance.ranks) > 1
+            else None
+        )
         # A rank of a ring is not restarted alone: its peers left the group too.
-        self.restart = restart
+        self.restart = self.layers is None
         self.model_dir = model_dir
         self.prefix_cache_bytes = prefix_cache_bytes
+        self.prefix_cache_disk_bytes = prefix_cache_disk_bytes
         self.cache_dir = cache_dir
         self.status: RunnerStatus = "starting"
         self.error: str | None = None
@@ -92,7 +90,6 @@ class RunnerSupervisor:
         self._process: Process | None = None
         self._write_lock = anyio.Lock()
         self._tasks: dict[TaskId, MemoryObjectSendStream[TaskMessage]] = {}
-        self._first_ready = anyio.Event()
         self._stopping = False
         self._exited = anyio.Event()
 
@@ -105,14 +102,6 @@ class RunnerSupervisor:
             self._on_status(status, error)
         self.status = status
         self.error = error
-        if status == "ready":
-            self._first_ready.set()
-
-    async def wait_ready(self, timeout: float) -> bool:
-        """Wait until the runner has been ready once (across restarts)."""
-        with anyio.move_on_after(timeout):
-            await self._first_ready.wait()
-        return self._first_ready.is_set()
 
     async def run(self) -> None:
         """Keep a runner process alive until cancelled or shut down."""
@@ -130,29 +119,23 @@ class RunnerSupervisor:
     async def _run_once(self) -> bool:
         self._exited = anyio.Event()
         self._set_status("starting")
-        command = [
-            sys.executable,
-            "-m",
-            "exo.worker.runner.runner_main",
-            "--model-dir",
-            str(self.model_dir),
-            "--prefix-cache-bytes",
-            str(self.prefix_cache_bytes),
-        ]
+        command = runner_command(
+            self.model_dir,
+            self.prefix_cache_bytes,
+            self.layers,
+            self.cache_dir / "prefix_cache",
+            self.prefix_cache_disk_bytes,
+        )
         reached_ready = False
         try:
             env = runner_environment(self.cache_dir)
-            if self.pipeline is not None:
+            if self.layers is not None:
                 self.cache_dir.mkdir(parents=True, exist_ok=True)
-                hostfile = self.cache_dir / f"ring-{self.pipeline.instance_id}.json"
-                hostfile.write_text(self.pipeline.hostfile_json())
-                command += [
-                    "--start-layer",
-                    str(self.pipeline.start_layer),
-                    "--end-layer",
-                    str(self.pipeline.end_layer),
-                ]
-                env |= {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(self.pipeline.rank)}
+                hostfile = self.cache_dir / f"ring-{self.instance.instance_id}.json"
+                # "ip:port" per rank, for mx.distributed's ring backend
+                hosts = [[host] for host in self.instance.ring_hosts]
+                hostfile.write_text(json.dumps(hosts))
+                env |= {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(self.rank)}
             process = await anyio.open_process(command, env=env, stderr=None)
         except OSError as error:  # the runner's failure, never the node's
             self._set_status("failed", f"cannot start the runner: {error}")

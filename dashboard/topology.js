@@ -1,0 +1,107 @@
+// The topology view: the nodes as a picture (on a circle, the master marked,
+// a line between nodes that serve an instance together) and a card per node.
+
+import { badge, bar, bytes, html, raw, shortId, shortModel } from "./format.js";
+
+const CENTER = { x: 260, y: 200 };
+const RADIUS = 135;
+const RING = 2 * Math.PI * 44;
+const LINK_COLORS = ["#6366f1", "#0891b2", "#d97706", "#db2777", "#16a34a"];
+
+function positions(nodes) {
+  if (nodes.length === 1) return [CENTER];
+  const start = nodes.length === 2 ? Math.PI : -Math.PI / 2;
+  return nodes.map((_, i) => {
+    const angle = start + (2 * Math.PI * i) / nodes.length;
+    return { x: CENTER.x + RADIUS * Math.cos(angle), y: CENTER.y + RADIUS * Math.sin(angle) };
+  });
+}
+
+const ramUsed = (t) => (t ? t.ram_total - t.ram_available : 0);
+
+function links(instances, at) {
+  const lines = [];
+  instances.forEach((instance, i) => {
+    const color = LINK_COLORS[i % LINK_COLORS.length];
+    const ranks = instance.ranks.filter((r) => at.has(r.node_id));
+    for (let r = 1; r < ranks.length; r += 1) {
+      const a = at.get(ranks[r - 1].node_id);
+      const b = at.get(ranks[r].node_id);
+      const label = { x: (a.x + b.x) / 2, y: (a.y + b.y) / 2 - 10 - 16 * i };
+      lines.push(html`<g class="link" data-instance-id="${instance.instance_id}">
+        <line x1="${a.x}" y1="${a.y}" x2="${b.x}" y2="${b.y}" stroke="${color}"/>
+        <text x="${label.x}" y="${label.y}" fill="${color}">${shortModel(instance.model_id)}</text></g>`);
+    }
+  });
+  return lines;
+}
+
+function nodeShape(node, p, cluster) {
+  const t = node.telemetry;
+  const used = t ? ramUsed(t) / t.ram_total : 0;
+  const master = node.node_id === cluster.state.master_id;
+  return html`<g class="node ${node.status.replace(/ /g, "-")}" data-node-id="${node.node_id}"
+      transform="translate(${p.x.toFixed(1)} ${p.y.toFixed(1)})">
+    <circle class="ram-track" r="44"/>
+    <circle class="ram-used" r="44" stroke-dasharray="${(used * RING).toFixed(1)} ${RING.toFixed(1)}"
+      transform="rotate(-90)"/>
+    <circle class="body" r="36"/>
+    <text class="name" y="-2">${shortId(node.node_id)}</text>
+    <text class="sub" y="14">${t ? t.mlx_backend : node.status}</text>
+    ${master ? html`<g class="master-mark" transform="translate(0 -66)"><rect x="-32" y="-11" width="64" height="20" rx="10"/><text y="4">★ master</text></g>` : ""}
+    <text class="under" y="66">${t ? `${bytes(ramUsed(t))} / ${bytes(t.ram_total)}` : ""}</text>
+    ${node.node_id === cluster.nodeId ? html`<text class="under muted" y="82">this node</text>` : ""}
+  </g>`;
+}
+
+export function renderPicture(svg, cluster) {
+  const nodes = cluster.nodes();
+  const at = new Map(nodes.map((n, i) => [n.node_id, positions(nodes)[i]]));
+  const serving = cluster.instances.filter((i) => i.ranks.length > 1);
+  svg.innerHTML = nodes.length
+    ? html`${links(serving, at)}${nodes.map((n) => nodeShape(n, at.get(n.node_id), cluster))}`.text
+    : html`<text x="260" y="200" class="empty">no nodes yet</text>`.text;
+}
+
+function ranksOn(node, instances) {
+  return instances.flatMap((instance) =>
+    instance.ranks
+      .map((rank, i) => ({ rank, i, instance }))
+      .filter(({ rank }) => rank.node_id === node.node_id),
+  );
+}
+
+function nodeCard(node, cluster) {
+  const t = node.telemetry;
+  const master = node.node_id === cluster.state.master_id;
+  const serves = ranksOn(node, cluster.instances);
+  const seen = Math.max(0, Math.round((Date.now() - node.last_seen_ms) / 1000));
+  return html`<div class="card node-card" data-node-id="${node.node_id}" data-status="${node.status}"
+      ${master ? raw("data-master") : ""}>
+    <div class="node-head">
+      <b class="mono">${shortId(node.node_id)}</b>
+      ${master ? badge("master") : ""}
+      ${node.node_id === cluster.nodeId ? badge("this node") : ""}
+      <span class="grow"></span>${badge(node.status)}
+    </div>
+    <div class="muted small mono">${node.node_id}${node.api_address ? ` · ${node.api_address}` : ""}</div>
+    <dl>
+      <dt>RAM</dt>
+      <dd>${t ? html`${bar(ramUsed(t), t.ram_total, "ram")} ${bytes(ramUsed(t))} used of ${bytes(t.ram_total)}` : "—"}</dd>
+      <dt>backend</dt>
+      <dd>${t ? `${t.mlx_backend} · ${t.cpu_count} CPUs · ${t.platform}` : "—"}</dd>
+      <dt>disk free</dt><dd>${t ? bytes(t.disk_free) : "—"}</dd>
+      <dt>serves</dt>
+      <dd>${serves.length ? serves.map(({ rank, i, instance }) => html`<div>${shortModel(instance.model_id)}
+          <span class="muted">rank ${i} · layers ${rank.start_layer}–${rank.end_layer - 1}</span></div>`) : html`<span class="muted">${t && !t.accepts_instances ? "no worker (API only)" : "nothing"}</span>`}</dd>
+      <dt>last seen</dt><dd>${node.status === "timed out" ? "timed out" : `${seen} s ago`}</dd>
+    </dl>
+  </div>`;
+}
+
+export function renderNodeCards(container, cluster) {
+  container.innerHTML = cluster
+    .nodes()
+    .map((n) => nodeCard(n, cluster).text)
+    .join("");
+}

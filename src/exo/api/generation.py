@@ -1,0 +1,311 @@
+"""The generation service below the API adapters: a `ChatRequest` in, one
+reply as a stream of `ReplyEvent`s out.
+
+Everything the three APIs share is decided here once: volatile text removed,
+the prompt rendered (tools through the template or exo's fallback), the
+context checked and `max_tokens` clamped to it, the model's sampling defaults
+filled in, the constraint built (structured output, forced tool calls) and
+checked, and the runner's text read through the reasoning split and the
+tool-call parser. 4xx errors are raised before anything runs.
+"""
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Literal
+
+import anyio
+from jinja2 import TemplateError
+
+from exo.api.admission import Slot, admit
+from exo.api.canonical import canonical_request
+from exo.api.chat_prompt import ChatPrompt, chat_template_text, render_prompt, tool_call_format
+from exo.api.errors import APIError, internal_error
+from exo.api.metrics import GenerationObserver, observe_generation
+from exo.api.reply_stream import (
+    KeepAlive,
+    PreparedReply,
+    ReplyEvent,
+    ReplyFinished,
+    ReplyFinishReason,
+    TokenLogprob,
+    TokenLogprobs,
+    TopLogprob,
+)
+from exo.engine.constraint_grammar import ConstraintError, check_constraint
+from exo.engine.reply import ReplyParser
+from exo.engine.tool_calls.formats import ToolCallFormat
+from exo.engine.tool_calls.parser import ToolCallEnd
+from exo.models.chat_tokenizer import ChatTokenizer
+from exo.shared.types.chat import (
+    ChatRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
+)
+from exo.shared.types.constraints import Constraint, JsonObject, JsonSchema, ToolCalls, ToolSpec
+from exo.shared.types.ids import new_task_id
+from exo.shared.types.tasks import GenerationParams, SampledLogprobs
+from exo.worker.runner.protocol import Chunk, Finished, Generate, TaskFailed, TaskMessage
+from exo.worker.runner.supervisor import RunnerUnavailable
+from exo.worker.served_model import ServedModel
+
+
+def invalid(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
+    return APIError(400, message, "invalid_request_error", code, param)
+
+
+def runner_unavailable(reason: str) -> APIError:
+    return APIError(
+        503, f"the model runner is unavailable: {reason}", "server_error", "runner_unavailable"
+    )
+
+
+def generation_failed(reason: str) -> APIError:
+    return internal_error(f"generation failed: {reason}", "generation_failed")
+
+
+async def render(model: ServedModel, request: ChatRequest) -> ChatPrompt:
+    """The request's prompt tokens (volatile text removed first), or a 400."""
+    try:
+        return await anyio.to_thread.run_sync(
+            render_prompt, model.tokenizer, canonical_request(request)
+        )
+    except TemplateError as error:
+        raise invalid(
+            f"the model's chat template rejected the messages: {error}",
+            "messages",
+            "invalid_messages",
+        ) from error
+
+
+def _tools_offered(request: ChatRequest) -> bool:
+    return bool(request.tools) and request.tool_choice != "none"
+
+
+def constraint_for(request: ChatRequest, fmt: ToolCallFormat) -> Constraint | None:
+    """What the reply must look like, enforced token by token in the runner."""
+    forced = request.tool_choice == "required" or isinstance(request.tool_choice, NamedToolChoice)
+    structured = isinstance(request.response_format, JsonObjectFormat | JsonSchemaFormat)
+    if _tools_offered(request) and structured:
+        raise invalid(
+            "response_format and tools cannot be combined (the reply is either a tool "
+            "call or the structured answer); send tool_choice 'none' or no response_format",
+            "response_format",
+        )
+    match request.response_format:
+        case JsonObjectFormat():
+            return JsonObject()
+        case JsonSchemaFormat(json_schema=schema, strict=strict):
+            return JsonSchema(json_schema=schema, strict=strict)
+        case _:
+            pass
+    if not (_tools_offered(request) and forced):
+        return None
+    if fmt.args_marker is not None or fmt.id_key is not None:
+        raise invalid(
+            f"this model's tool-call syntax ({fmt.family}) cannot be forced; "
+            "use tool_choice 'auto'",
+            "tool_choice",
+        )
+    named = request.tool_choice.name if isinstance(request.tool_choice, NamedToolChoice) else None
+    return ToolCalls(
+        tools=tuple(
+            ToolSpec(name=t.name, parameters=t.parameters, strict=t.strict) for t in request.tools
+        ),
+        prefix=fmt.prefix,
+        suffix=fmt.suffix,
+        arguments_key=fmt.arguments_key,
+        list_form=fmt.list_form,
+        named=named,
+        parallel=request.parallel_tool_calls and named is None,
+    )
+
+
+def check_vocabulary(tokens: Iterable[int], vocabulary: int, param: str) -> None:
+    """A 400 for a token id outside the model's vocabulary (the runner would
+    index past its embedding table)."""
+    for token in tokens:
+        if not 0 <= token < vocabulary:
+            raise invalid(
+                f"{param}: token id {token} is not in the vocabulary (0..{vocabulary - 1})", param
+            )
+
+
+def generation_params(
+    model: ServedModel, request: ChatRequest, prompt_tokens: int, constraint: Constraint | None
+) -> GenerationParams:
+    room = model.context_length - prompt_tokens
+    if room <= 0:
+        raise invalid(
+            f"This model's maximum context length is {model.context_length} tokens. "
+            f"Your messages resulted in {prompt_tokens} tokens.",
+            "messages",
+            "context_length_exceeded",
+        )
+    sampling, defaults = request.sampling, model.sampling_defaults
+    check_vocabulary(sampling.logit_bias, model.vocabulary_size, "logit_bias")
+
+    return GenerationParams(
+        # Asked for more than the context leaves (agents ask for 32k-128k): clamped.
+        max_tokens=min(request.max_tokens or room, room),
+        temperature=defaults.temperature if sampling.temperature is None else sampling.temperature,
+        top_p=defaults.top_p if sampling.top_p is None else sampling.top_p,
+        top_k=defaults.top_k if sampling.top_k is None else sampling.top_k,
+        min_p=defaults.min_p if sampling.min_p is None else sampling.min_p,
+        repetition_penalty=defaults.repetition_penalty
+        if sampling.repetition_penalty is None
+        else sampling.repetition_penalty,
+        presence_penalty=sampling.presence_penalty or 0.0,
+        frequency_penalty=sampling.frequency_penalty or 0.0,
+        logit_bias=sampling.logit_bias,
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
+        seed=sampling.seed,
+        stop=request.stop,
+        constraint=constraint,
+    )
+
+
+def _token_logprobs(tokenizer: ChatTokenizer, sampled: SampledLogprobs) -> TokenLogprobs:
+    def piece(token: int) -> tuple[str, tuple[int, ...]]:
+        text = tokenizer.decode([token])
+        return text, tuple(text.encode())
+
+    tokens = []
+    for entry in sampled.tokens:
+        text, data = piece(entry.token)
+        top = tuple(
+            TopLogprob(token=t, logprob=alt.logprob, bytes=b)
+            for alt in entry.top_logprobs
+            for t, b in [piece(alt.token)]
+        )
+        tokens.append(TokenLogprob(token=text, logprob=entry.logprob, bytes=data, top_logprobs=top))
+    return TokenLogprobs(tokens=tuple(tokens))
+
+
+@dataclass(frozen=True)
+class _Run:
+    model: ServedModel
+    task: Generate
+    parser: ReplyParser
+    keepalive_seconds: float
+    slot: Slot  # held until the reply ends, however it ends
+    observer: GenerationObserver | None
+
+    async def events(self) -> AsyncIterator[ReplyEvent]:
+        ended: ReplyFinishReason | Literal["error", "cancelled"] = "cancelled"
+        try:
+            async with aclosing(self._events()) as events:  # its runner task ends here
+                async for event in events:
+                    if isinstance(event, ReplyFinished):
+                        ended = event.finish_reason
+                        if self.observer is not None:
+                            self.observer.finished(ended, event.usage)
+                    yield event
+        except APIError:
+            ended = "error"
+            raise
+        finally:
+            self.slot.release()
+            if self.observer is not None and (ended == "error" or ended == "cancelled"):
+                self.observer.ended_early(ended)
+
+    async def _events(self) -> AsyncGenerator[ReplyEvent]:
+        calls: list[ToolCallEnd] = []
+        try:
+            async with self.model.runner.generate(self.task) as messages:
+                while True:
+                    message: TaskMessage | None = None
+                    with anyio.move_on_after(self.keepalive_seconds):
+                        try:
+                            message = await messages.receive()
+                        except anyio.EndOfStream:
+                            break
+                    match message:
+                        case None:
+                            yield KeepAlive()
+                        case Chunk(text=text, logprobs=logprobs):
+                            if self.observer is not None:
+                                self.observer.chunk()
+                            for event in self.parser.feed(text):
+                                calls += [event] if isinstance(event, ToolCallEnd) else []
+                                yield event
+                            if logprobs is not None:
+                                yield _token_logprobs(self.model.tokenizer, logprobs)
+                        case Finished():
+                            for event in self.parser.finish():
+                                calls += [event] if isinstance(event, ToolCallEnd) else []
+                                yield event
+                            reason: ReplyFinishReason = message.finish_reason
+                            if message.stop_sequence is not None:
+                                reason = "stop_sequence"
+                            if calls and reason != "length":
+                                reason = "tool_calls"
+                            yield ReplyFinished(
+                                finish_reason=reason,
+                                stop_sequence=message.stop_sequence,
+                                usage=message.usage,
+                                tool_calls=tuple(end.call for end in calls),
+                            )
+                            return
+                        case TaskFailed(error=error):
+                            raise generation_failed(error)
+                        case _:
+                            pass  # prefill progress
+        except RunnerUnavailable as error:
+            raise runner_unavailable(str(error)) from error
+        raise generation_failed("the runner ended the task without a result")
+
+
+async def prepare_reply(
+    model: ServedModel,
+    request: ChatRequest,
+    keepalive_seconds: float,
+    new_call_id: Callable[[], str] | None = None,
+) -> PreparedReply:
+    """Check and render `request` for `model` (4xx as `APIError`), then wait for
+    a slot of the model (429 when its queue is full, 503 when the wait is too
+    long); the reply runs when its `events` are read."""
+    observer = observe_generation(model.model_id)
+    prompt = await render(model, request)
+    if not prompt.tokens:  # e.g. a text prompt of characters the tokenizer drops
+        raise invalid("the prompt has no tokens", "prompt" if request.prompt else "messages")
+    check_vocabulary(prompt.tokens, model.vocabulary_size, "prompt")
+    fmt = tool_call_format(model.tokenizer)
+    constraint = constraint_for(request, fmt)
+    if constraint is not None:
+        try:
+            check_constraint(constraint)
+        except ConstraintError as error:
+            param = (
+                "response_format" if isinstance(constraint, JsonObject | JsonSchema) else "tools"
+            )
+            raise invalid(str(error), param) from error
+    params = generation_params(model, request, len(prompt.tokens), constraint)
+    if model.runner.status == "failed":
+        raise runner_unavailable(f"{model.runner.error}; it is restarting")
+    task = Generate(
+        task_id=new_task_id(),
+        tokens=prompt.tokens,
+        params=params,
+        system_prompt_length=prompt.system_prompt_length,
+    )
+    tail = model.tokenizer.decode(prompt.tokens[-16:]) if request.prompt is None else ""
+    parser = ReplyParser.for_prompt(
+        chat_template_text(model.tokenizer) if request.prompt is None else None,
+        tail,
+        fmt if _tools_offered(request) else None,
+        new_call_id,
+    )
+    slot = await admit(model.model_id)
+    run = _Run(model, task, parser, keepalive_seconds, slot, observer)
+    return PreparedReply(
+        reply_id=uuid.uuid4().hex,
+        model=model.model_id,
+        prompt_tokens=len(prompt.tokens),
+        created=int(time.time()),
+        events=run.events(),
+    )

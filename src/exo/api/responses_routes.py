@@ -1,0 +1,28 @@
+"""The OpenAI Responses route, `/v1/responses` (stateless)."""
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from exo.api import responses
+from exo.api.generation import prepare_reply
+from exo.api.responses_types import ResponsesRequest
+from exo.api.serving import ModelRouter, Relay, relay, sse_response, until_disconnect
+
+
+def responses_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
+    routes = APIRouter()
+
+    @routes.post("/v1/responses", response_model=None)
+    async def create_response(
+        body: ResponsesRequest, request: Request
+    ) -> Response | dict[str, object]:
+        model = router.find(body.model)
+        if isinstance(model, Relay):
+            return await relay(model, request)
+        chat = responses.to_chat_request(body).model_copy(update={"model": model.model_id})
+        reply = await prepare_reply(model, chat, keepalive_seconds)
+        if body.stream:
+            return sse_response(responses.response_stream(reply, body))
+        return await until_disconnect(request, lambda: responses.response_object(reply, body))
+
+    return routes

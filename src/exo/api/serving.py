@@ -1,0 +1,267 @@
+"""Where a generation request runs: this node's runner, or a relay to the node
+that serves the model. Shared by every API's routes."""
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import anyio
+import httpx
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from loguru import logger
+from starlette.background import BackgroundTask
+
+from exo.api.errors import APIError, stream_error_event
+from exo.api.model_alias import ModelAlias, resolve_model
+from exo.api.routing import cluster_models, remote_api_for
+from exo.shared.cluster_view import ClusterView
+from exo.shared.types.ids import ModelId
+from exo.worker.served_model import ServedModel
+
+# A node that does not accept a connection this fast is down (502).
+RELAY_CONNECT_SECONDS = 5.0
+# A serving node sends a stream's SSE keep-alive at least this often (its
+# --sse-keepalive-seconds, the same across a cluster); silence for this many
+# keep-alive periods means it is frozen (504).
+RELAY_SILENT_KEEPALIVES = 3
+DISCONNECT_POLL_SECONDS = 0.5
+# Headers a relay passes on (the API's own, e.g. Anthropic's version and beta flags).
+RELAYED_HEADERS = (
+    "content-type",
+    "anthropic-version",
+    "anthropic-beta",
+    "authorization",
+    "x-api-key",
+)
+# Headers of the serving node's answer a relay passes back.
+RELAYED_RESPONSE_HEADERS = ("retry-after", "cache-control", "x-accel-buffering")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Relay:
+    """The model runs on the node at `api_address`."""
+
+    api_address: str
+    model_id: ModelId
+    # Longest silence of the serving node (between stream chunks; of its liveness
+    # check while its answer has not begun) before the relay gives up with a 504.
+    read_timeout_seconds: float
+
+
+@dataclass
+class ModelRouter:
+    models: Mapping[ModelId, ServedModel]
+    cluster: ClusterView
+    aliases: Sequence[ModelAlias] = ()
+    relay_read_timeout_seconds: float = field(kw_only=True)  # see `relay_read_timeout`
+
+    def served_names(self) -> set[ModelId]:
+        return {*self.models, *cluster_models(self.cluster.state)}
+
+    def find(self, name: str) -> ServedModel | Relay:
+        """This node's model, or the node that serves it; a 404 naming what is served."""
+        model_id = resolve_model(name, self.aliases, self.served_names())
+        model = self.models.get(model_id)
+        if model is not None:
+            return model
+        remote = remote_api_for(self.cluster.state, model_id, self.cluster.node_id)
+        if remote is not None:
+            return Relay(remote, model_id, self.relay_read_timeout_seconds)
+        available = ", ".join(sorted(self.served_names())) or "none"
+        raise APIError(
+            404,
+            f"The model {name!r} is not served in this cluster. Available models: {available}",
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
+
+
+def relay_read_timeout(keepalive_seconds: float) -> float:
+    return RELAY_SILENT_KEEPALIVES * keepalive_seconds
+
+
+def _relay_failed(target: Relay, error: httpx.HTTPError) -> APIError:
+    if isinstance(error, httpx.TimeoutException) and not isinstance(error, httpx.ConnectTimeout):
+        return _relay_silent(target)
+    return APIError(
+        502,
+        f"the node serving {target.model_id} at {target.api_address} failed: "
+        f"{type(error).__name__}: {error}",
+        "server_error",
+        "relay_failed",
+    )
+
+
+def _relay_silent(target: Relay) -> APIError:
+    return APIError(
+        504,
+        f"the node serving {target.model_id} at {target.api_address} stopped answering "
+        f"(silent for {target.read_timeout_seconds:g}s)",
+        "server_error",
+        "relay_timeout",
+    )
+
+
+async def _watch_liveness(client: httpx.AsyncClient, target: Relay) -> APIError:
+    """While the serving node has not begun its answer (it may queue the request,
+    or generate a whole non-streaming reply), check that it still answers at all."""
+    url = f"http://{target.api_address}/node_id"
+    while True:
+        await anyio.sleep(target.read_timeout_seconds)
+        try:
+            response = await client.get(url, timeout=target.read_timeout_seconds)
+        except httpx.HTTPError as error:
+            return _relay_failed(target, error)
+        if response.status_code != 200:
+            return APIError(
+                502,
+                f"the node at {target.api_address} answered {response.status_code}",
+                "server_error",
+                "relay_failed",
+            )
+
+
+async def _answer_head(
+    client: httpx.AsyncClient, outgoing: httpx.Request, target: Relay, request: Request
+) -> httpx.Response:
+    """The serving node's answer, once its status and headers came; a 502/504
+    when the node fails or goes silent, a 499 when the client goes away first."""
+    outcome: list[httpx.Response | APIError] = []
+
+    async with anyio.create_task_group() as group:
+
+        def settle(result: httpx.Response | APIError) -> None:
+            outcome.append(result)
+            group.cancel_scope.cancel()
+
+        async def send() -> None:
+            try:
+                settle(await client.send(outgoing, stream=True))
+            except httpx.HTTPError as error:
+                settle(_relay_failed(target, error))
+
+        async def check() -> None:
+            settle(await _watch_liveness(client, target))
+
+        async def watch_client() -> None:
+            while not await request.is_disconnected():
+                await anyio.sleep(DISCONNECT_POLL_SECONDS)
+            settle(APIError(499, "the client closed the request", "invalid_request_error"))
+
+        group.start_soon(send)
+        group.start_soon(check)
+        group.start_soon(watch_client)
+    for result in outcome:
+        if isinstance(result, httpx.Response):
+            return result
+    failure = outcome[0]
+    assert isinstance(failure, APIError)
+    raise failure
+
+
+async def _relayed_body(
+    upstream: httpx.Response, target: Relay, path: str, sse: bool
+) -> AsyncIterator[bytes]:
+    """The serving node's body as it comes; a node that goes silent or fails
+    mid-stream ends the stream with an error event in the API's format."""
+    chunks = upstream.aiter_raw()
+    while True:
+        try:
+            with anyio.fail_after(target.read_timeout_seconds):
+                chunk = await anext(chunks, None)
+        except (TimeoutError, httpx.HTTPError) as error:
+            failure = (
+                _relay_silent(target)
+                if isinstance(error, TimeoutError)
+                else _relay_failed(target, error)
+            )
+            logger.warning(f"relay ended: {failure.message}")
+            if sse:  # a blank line first ends an event the node left half sent
+                yield ("\n\n" + stream_error_event(path, failure)).encode()
+            return
+        if chunk is None:
+            return
+        yield chunk
+
+
+async def relay(target: Relay, request: Request) -> StreamingResponse:
+    """Send the request to the node that serves the model (with the model named as
+    resolved here) and stream its answer back as it comes. A node that cannot be
+    reached is a 502, one that goes silent a 504; a client that goes away closes
+    the relay, which cancels the generation there."""
+    body = json.loads(await request.body())
+    body["model"] = target.model_id
+    headers = {k: v for k, v in request.headers.items() if k.lower() in RELAYED_HEADERS}
+    # Reads are bounded by `_answer_head` and `_relayed_body` (an answer may take
+    # as long as the serving node queues and generates, as long as it is alive).
+    # The client's key goes with every request, the liveness checks' included.
+    client = httpx.AsyncClient(
+        headers=headers,
+        timeout=httpx.Timeout(RELAY_CONNECT_SECONDS, read=None, write=target.read_timeout_seconds),
+    )
+    url = f"http://{target.api_address}{request.url.path}"
+    if request.url.query:
+        url += f"?{request.url.query}"
+    outgoing = client.build_request("POST", url, json=body, headers=headers)
+    try:
+        upstream = await _answer_head(client, outgoing, target, request)
+    except BaseException:
+        await client.aclose()
+        raise
+
+    async def close() -> None:
+        await upstream.aclose()
+        await client.aclose()
+
+    media_type = upstream.headers.get("content-type")
+    return StreamingResponse(
+        _relayed_body(
+            upstream,
+            target,
+            request.url.path,
+            sse=(media_type or "").startswith("text/event-stream"),
+        ),
+        status_code=upstream.status_code,
+        headers={
+            k: v for k, v in upstream.headers.items() if k.lower() in RELAYED_RESPONSE_HEADERS
+        },
+        media_type=media_type,
+        background=BackgroundTask(close),
+    )
+
+
+async def until_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """Run a non-streaming request's work; a client that goes away cancels it."""
+    result: list[T] = []
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        while not await request.is_disconnected():
+            await anyio.sleep(DISCONNECT_POLL_SECONDS)
+        scope.cancel()
+
+    failure: list[Exception] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch, group.cancel_scope)
+        try:
+            result.append(await work())
+        except Exception as error:  # raised as it is, not inside an exception group
+            failure.append(error)
+        group.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    if not result:
+        raise APIError(499, "the client closed the request", "invalid_request_error")
+    return result[0]
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    """A streamed answer: server-sent events, neither cached nor buffered on the way."""
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)

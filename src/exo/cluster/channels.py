@@ -1,0 +1,67 @@
+"""One authenticated session per peer address, shared by everything that calls peers."""
+
+import anyio
+import grpc
+import grpc.aio
+
+from exo.cluster.auth import LinkError, PeerSession, connect
+from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
+from exo.shared.types.ids import NodeId
+
+# How long a unary call to a peer may take.
+RPC_TIMEOUT_SECONDS = 2.0
+
+# What a call to a peer may raise besides `LinkError` (UsageError: its session
+# was closed under it, after the peer failed another call).
+CALL_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError)
+
+# A call that failed with one of these ends the session: the peer restarted
+# (a new certificate, a new process) or no longer takes our token.
+_SESSION_ENDING = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
+
+
+class Channels:
+    def __init__(self, secret: str, node_id: NodeId) -> None:
+        self._secret = secret
+        self._node_id = node_id
+        self._sessions: dict[str, PeerSession] = {}
+        self._locks: dict[str, anyio.Lock] = {}
+
+    async def stub(self, address: str) -> pb_grpc.ClusterStub:
+        """A stub whose calls reach `address` authenticated; opens or renews the
+        session first when needed. Raises `LinkError`."""
+        lock = self._locks.setdefault(address, anyio.Lock())
+        async with lock:
+            session = self._sessions.get(address)
+            if session is None:
+                session = self._sessions[address] = await connect(
+                    address, self._secret, self._node_id
+                )
+            elif session.expiring():
+                try:
+                    await session.authenticate()
+                except LinkError:
+                    await self._forget(address)
+                    raise
+        return session.stub
+
+    async def failed(self, address: str, error: Exception) -> bool:
+        """A call to `address` failed: a new session next time, if the failure
+        says so (True)."""
+        if isinstance(error, grpc.aio.AioRpcError) and error.code() in _SESSION_ENDING:
+            await self._forget(address)
+            return True
+        return False
+
+    async def _forget(self, address: str) -> None:
+        session = self._sessions.pop(address, None)
+        if session is not None:
+            with anyio.CancelScope(shield=True):
+                await session.close()
+
+    async def close(self) -> None:
+        for address in list(self._sessions):
+            await self._forget(address)
+
+
+__all__ = ["CALL_ERRORS", "RPC_TIMEOUT_SECONDS", "Channels", "LinkError"]

@@ -1,0 +1,192 @@
+"""The prefix cache's disk tier: entries kept across runner and node restarts.
+
+One safetensors file per entry (mlx_lm's prompt-cache format: every layer's
+state, with our metadata), in a folder named by `cache_namespace`: a digest of
+the model's files, tokenizer, chat template and this runner's layers. A file is
+served only when its metadata names the same namespace and format; a foreign,
+stale or unreadable file is removed, never loaded. Least recently used files go
+first when the folder outgrows its byte budget.
+"""
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from loguru import logger
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from exo.engine.token_trie import TokenTrie, best_usable
+from exo.shared.types.shard import LayerRange
+
+FORMAT = "exo-prefix-cache-1"
+# Files whose content decides what a cached KV means: weights (named and sized),
+# config, tokenizer and chat template.
+_IDENTITY_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf")
+
+LayerCache = Any
+
+
+def cache_namespace(model_dir: Path, layers: LayerRange | None) -> str:
+    """A digest of what a cached KV depends on: model files, tokenizer, template, layers."""
+    h = hashlib.blake2b(FORMAT.encode(), digest_size=16)
+    for path in sorted(model_dir.iterdir()):
+        if path.name in _IDENTITY_FILES:
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+        elif path.suffix in _WEIGHT_SUFFIXES:
+            h.update(f"{path.name}\0{path.stat().st_size}".encode())
+    h.update(str(layers).encode())
+    return h.hexdigest()
+
+
+def _read_metadata(path: Path) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file, read from its header alone."""
+    with path.open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if size > 64 << 20:
+            raise ValueError("implausible safetensors header")
+        header = json.loads(f.read(size))
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict):
+        raise ValueError("no metadata")
+    return {str(k): str(v) for k, v in metadata.items()}
+
+
+@dataclass
+class DiskEntry:
+    path: Path
+    tokens: tuple[int, ...]
+    trimmable: bool
+    nbytes: int
+    last_used: int
+
+
+class DiskTier:
+    def __init__(self, root: Path, namespace: str, byte_budget: int) -> None:
+        self.directory = root / namespace
+        self.namespace = namespace
+        self.byte_budget = byte_budget
+        self._entries: dict[int, DiskEntry] = {}
+        self._trie = TokenTrie()
+        self._clock = 0
+        # Files are written here, then renamed into `directory` once complete.
+        self._partial = self.directory / "partial"
+        self._partial.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _scan(self) -> None:
+        files = sorted(self.directory.glob("*.safetensors"), key=lambda p: p.stat().st_mtime)
+        for path in files:
+            try:
+                metadata = _read_metadata(path)
+                if (metadata.get("0.format"), metadata.get("0.namespace")) != (
+                    FORMAT,
+                    self.namespace,
+                ):
+                    raise ValueError("written for another model, tokenizer or format")
+                tokens = tuple(int(t) for t in json.loads(metadata["0.tokens"]))
+                trimmable = metadata["0.trimmable"] == "1"
+            except (OSError, ValueError, KeyError, struct.error) as error:
+                logger.warning(f"prefix cache: removing {path.name} from disk: {error}")
+                path.unlink(missing_ok=True)
+                continue
+            self._add(path, tokens, trimmable)
+        for partial in self._partial.iterdir():
+            partial.unlink(missing_ok=True)
+        self._enforce_budget()
+
+    def _add(self, path: Path, tokens: tuple[int, ...], trimmable: bool) -> None:
+        file_id = int.from_bytes(bytes.fromhex(path.stem)[:8], "little")
+        if file_id in self._entries:
+            self._trie.remove(file_id, self._entries[file_id].tokens)
+        self._entries[file_id] = DiskEntry(
+            path, tokens, trimmable, path.stat().st_size, self._tick()
+        )
+        self._trie.insert(file_id, tokens)
+
+    def __contains__(self, tokens: tuple[int, ...]) -> bool:
+        return any(length == len(tokens) for length, _ in self._trie.match(tokens).endings)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def best(self, tokens: tuple[int, ...]) -> tuple[int | None, int]:
+        """The file that serves the most of `tokens` (all but the last one at most)."""
+        return best_usable(
+            self._trie.match(tokens),
+            len(tokens) - 1,
+            trimmable=lambda i: self._entries[i].trimmable,
+            recency=lambda i: self._entries[i].last_used,
+        )
+
+    def load(self, file_id: int) -> tuple[tuple[int, ...], list[LayerCache]] | None:
+        """The entry's tokens and layers; None (and the file removed) if unreadable."""
+        entry = self._entries[file_id]
+        try:
+            layers = load_prompt_cache(str(entry.path))
+            mx.eval([layer.state for layer in layers])  # read it all now: fail here, not later
+        except Exception as error:  # any unreadable file is dropped, never served
+            logger.warning(f"prefix cache: removing unreadable {entry.path.name}: {error}")
+            self._remove(file_id)
+            return None
+        entry.last_used = self._tick()
+        entry.path.touch()
+        return entry.tokens, layers
+
+    def save(self, tokens: tuple[int, ...], layers: list[LayerCache], trimmable: bool) -> None:
+        if self.byte_budget <= 0 or tokens in self:
+            return
+        digest = hashlib.blake2b(json.dumps(tokens).encode(), digest_size=16).hexdigest()
+        path = self.directory / f"{digest}.safetensors"
+        partial = self._partial / path.name
+        metadata = {
+            "format": FORMAT,
+            "namespace": self.namespace,
+            "tokens": json.dumps(list(tokens)),
+            "trimmable": "1" if trimmable else "0",
+        }
+        try:
+            save_prompt_cache(str(partial), layers, metadata)
+            partial.rename(path)  # a crash mid-write leaves a partial file, removed at start
+        except OSError as error:
+            logger.warning(f"prefix cache: could not write to disk: {error}")
+            partial.unlink(missing_ok=True)
+            return
+        if trimmable:  # it holds every shorter cut-back-able file on its path
+            for _, shorter in self._trie.match(tokens).endings:
+                if self._entries[shorter].trimmable:
+                    self._remove(shorter)
+        self._add(path, tokens, trimmable)
+        self._enforce_budget()
+
+    def _remove(self, file_id: int) -> None:
+        entry = self._entries.pop(file_id)
+        self._trie.remove(file_id, entry.tokens)
+        entry.path.unlink(missing_ok=True)
+
+    def _enforce_budget(self) -> None:
+        total = self.nbytes
+        for file_id in sorted(self._entries, key=lambda i: self._entries[i].last_used):
+            if total <= self.byte_budget:
+                return
+            total -= self._entries[file_id].nbytes
+            self._remove(file_id)

@@ -1,0 +1,238 @@
+"""The master: the only writer of the cluster's history.
+
+While this node is master ("in office"), `Master` carries out commands
+(`decide` -> index -> fsync -> apply), indexes the events nodes publish (only
+those a node may originate, `may_originate`), and does the master's duties: it
+times out silent nodes and places again the instances that lost a rank. The
+cluster link says when this node takes or leaves office, hands the master what
+arrives, and tells it which nodes it hears and when (`heard_ms`): the master
+places only on those, a node the link lost takes its instances down with it at
+once, and a node is timed out when neither its events nor the link were heard
+from it for the node timeout. The decisions are pure functions (`decide`, `may_originate`,
+`placeable`, `timed_out_nodes`, `broken_instances`, `instances_on`).
+"""
+
+import uuid
+from collections.abc import Callable, Collection, Mapping, Sequence
+
+import anyio
+from loguru import logger
+
+from exo.master.commands import decide
+from exo.master.recovery import Recovery, broken_instances, instances_on
+from exo.shared.event_store import EventLogUnavailable, EventStore, now_ms, with_ids
+from exo.shared.types.commands import Command, CommandRejected
+from exo.shared.types.events import (
+    DownloadProgressed,
+    DownloadRemoved,
+    Event,
+    InstanceCreated,
+    InstanceDeleted,
+    MasterElected,
+    ModelCardPublished,
+    NodeJoined,
+    NodeTelemetryReported,
+    NodeTimedOut,
+    RunnerStatusChanged,
+)
+from exo.shared.types.ids import NodeId
+from exo.shared.types.state import Instance, State
+
+
+class NotMaster(Exception):
+    """This node is not (or not yet) the master."""
+
+
+def timed_out_nodes(
+    state: State, now: int, timeout_ms: int, keep: NodeId, heard_ms: Mapping[NodeId, int]
+) -> list[NodeId]:
+    """Nodes whose last event and last word on the link (`heard_ms`) are both
+    older than `timeout_ms` (never `keep`, the master itself)."""
+    return sorted(
+        node_id
+        for node_id, node in state.nodes.items()
+        if node_id != keep and now - max(node.last_seen_ms, heard_ms.get(node_id, 0)) > timeout_ms
+    )
+
+
+def may_originate(state: State, origin: NodeId, event: Event) -> bool:
+    """Whether node `origin` may publish `event`: facts about itself (joining,
+    telemetry, its runners, its downloads), the cards of models it describes,
+    and the deletion of an instance only it serves (its own, after a restart).
+    What only the master decides (elections, timeouts, new instances) never."""
+    match event:
+        case (
+            NodeJoined()
+            | NodeTelemetryReported()
+            | RunnerStatusChanged()
+            | DownloadProgressed()
+            | DownloadRemoved()
+        ):
+            return event.node_id == origin
+        case ModelCardPublished():
+            return True
+        case InstanceDeleted():
+            instance = state.instances.get(event.instance_id)
+            return instance is None or set(instance.node_ids) == {origin}
+        case NodeTimedOut() | MasterElected() | InstanceCreated():
+            return False
+
+
+def placeable(state: State, reachable: Collection[NodeId]) -> State:
+    """`state` as placement sees it: only the nodes in `reachable`."""
+    return state.model_copy(
+        update={"nodes": {n: info for n, info in state.nodes.items() if n in reachable}}
+    )
+
+
+class Master:
+    def __init__(
+        self,
+        store: EventStore,
+        node_timeout_seconds: float,
+        duty_interval_seconds: float,
+        heard_ms: Callable[[], Mapping[NodeId, int]] | None = None,
+    ) -> None:
+        """`heard_ms`: when the link last heard each live peer (wall-clock ms);
+        None: no link, every node of the state counts as reachable."""
+        self.node_id = store.node_id
+        self._store = store
+        self._node_timeout_ms = int(node_timeout_seconds * 1000)
+        self._duty_interval_seconds = duty_interval_seconds
+        self._recovery = Recovery()
+        self._in_office = False
+        self._election_recorded = False
+        self._heard_ms = heard_ms
+        self._unreachable: set[NodeId] = set()
+        self._woken = anyio.Event()
+
+    @property
+    def in_office(self) -> bool:
+        return self._in_office
+
+    def take_office(self) -> None:
+        """Continue the history as master, in the next term (the caller caught
+        this node's log up first)."""
+        self._in_office = True
+        self._record_election()
+
+    def _record_election(self) -> None:
+        """Index MasterElected; on a full disk the duties try again."""
+        term = self._store.state.master_term + 1
+        try:
+            self._index([MasterElected(master_id=self.node_id, term=term)])
+        except EventLogUnavailable as error:
+            self._election_recorded = False
+            logger.error(f"cannot record this node's election yet: {error}")
+            return
+        self._election_recorded = True
+        logger.info(f"node {self.node_id} is master (term {term}) at index {self._store.next_idx}")
+
+    def leave_office(self) -> None:
+        self._in_office = False
+
+    def execute(self, command_id: str, origin: NodeId, command: Command) -> int:
+        """Carry out `command`: decide (on the nodes the link hears), index,
+        persist, apply. Returns the index of its last event; a command that
+        changes nothing (a retry) returns the current last index, which its
+        earlier effect precedes. Raises `CommandRejected` with the reason,
+        `NotMaster` out of office."""
+        if not self._in_office:
+            raise NotMaster(f"node {self.node_id} is not the master")
+        events = decide(self._placeable_state(), command)
+        self._store.index(origin, with_ids(command_id, events))
+        return self._store.state.last_idx
+
+    def accept(self, origin: NodeId, events: Sequence[tuple[str, Event]]) -> int:
+        """Index the events a node published, `(event_id, event)` each (ids seen
+        before are skipped; events `origin` may not originate are refused and
+        logged); returns the last index."""
+        if not self._in_office:
+            raise NotMaster(f"node {self.node_id} is not the master")
+        state = self._store.state
+        allowed = [(i, e) for i, e in events if may_originate(state, origin, e)]
+        if len(allowed) < len(events):
+            refused = sorted({e.kind for _, e in events if not may_originate(state, origin, e)})
+            logger.warning(
+                f"refused {len(events) - len(allowed)} event(s) from node {origin} that only "
+                f"another node or the master may publish: {', '.join(refused)}"
+            )
+        self._store.index(origin, allowed)
+        return self._store.state.last_idx
+
+    def wake(self) -> None:
+        """Do the duties now rather than at the next interval (the link lost a
+        node, or this node took office)."""
+        self._woken.set()
+
+    async def run(self) -> None:
+        """The master's duties, every interval (or when woken) while in office."""
+        while True:
+            with anyio.move_on_after(self._duty_interval_seconds):
+                await self._woken.wait()
+            self._woken = anyio.Event()
+            if self._in_office:
+                try:
+                    if not self._election_recorded:
+                        self._record_election()
+                    self.tend()
+                except EventLogUnavailable as error:
+                    logger.warning(f"master duties put off: {error}")
+
+    def tend(self) -> None:
+        """One round of duties: time out silent nodes, then place again every
+        instance that lost a rank (to a timeout, a node the link lost, or a
+        failed runner)."""
+        before = self._store.state
+        heard = self._heard_ms() if self._heard_ms else {}
+        gone = timed_out_nodes(before, now_ms(), self._node_timeout_ms, self.node_id, heard)
+        for node_id in gone:
+            logger.warning(f"node {node_id} timed out; its instances are removed")
+        self._index([NodeTimedOut(node_id=n) for n in gone])
+        state = self._store.state
+        lost = self._note_unreachable(state)
+        damaged: dict[str, tuple[Instance, bool]] = {}
+        for instance in instances_on(before, gone):
+            damaged[instance.instance_id] = (instance, False)
+        for instance in instances_on(state, lost) + broken_instances(state):
+            damaged[instance.instance_id] = (instance, True)
+        available = _accepting_nodes(self._placeable_state())
+        for instance, listed in damaged.values():
+            logger.warning(
+                f"instance {instance.instance_id} of {instance.model_id} lost a rank; placing it again"
+            )
+            for command in self._recovery.commands(instance, listed, available):
+                try:
+                    self.execute(uuid.uuid4().hex, self.node_id, command)
+                except CommandRejected as error:
+                    logger.warning(f"cannot place {instance.model_id} again: {error}")
+
+    def _reachable(self) -> Collection[NodeId] | None:
+        """The nodes the link hears now, this one included (None: no link)."""
+        return None if self._heard_ms is None else {self.node_id, *self._heard_ms()}
+
+    def _note_unreachable(self, state: State) -> set[NodeId]:
+        """The nodes of the state the link does not hear; changes are logged."""
+        reachable = self._reachable()
+        if reachable is None:
+            return set()
+        unreachable = {n for n in state.nodes if n not in reachable}
+        for node_id in sorted(unreachable - self._unreachable):
+            logger.warning(f"node {node_id}: the link lost it; out of placement")
+        for node_id in sorted(self._unreachable - unreachable):
+            logger.info(f"node {node_id}: heard again; back in placement")
+        self._unreachable = unreachable
+        return unreachable
+
+    def _placeable_state(self) -> State:
+        state, reachable = self._store.state, self._reachable()
+        return state if reachable is None else placeable(state, reachable)
+
+    def _index(self, events: Sequence[Event]) -> None:
+        self._store.index(self.node_id, with_ids(uuid.uuid4().hex, events))
+
+
+def _accepting_nodes(state: State) -> int:
+    return sum(
+        1 for info in state.nodes.values() if info.telemetry and info.telemetry.accepts_instances
+    )

@@ -1,0 +1,94 @@
+"""Which weight files hold which parts of a model, and which files a node
+serving a range of layers needs."""
+
+import re
+from collections.abc import Mapping
+from typing import Literal
+
+from exo.shared.types.model_card import ModelCard, WeightFile
+
+# Files of a model folder that a node never needs: exo's import marker and
+# weights in other formats than safetensors.
+_NOT_NEEDED_NAMES = {"exo_import.json"}
+_NOT_NEEDED_SUFFIXES = (".gguf", ".bin", ".pt", ".pth", ".h5", ".onnx", ".msgpack", ".partial")
+
+# `model.layers.N.` and the prefixes vision-language and SSM models put before it.
+_LAYER_TENSOR = re.compile(
+    r"^(?:model\.|language_model\.model\.|model\.language_model\.|backbone\.)?layers\.(\d+)\."
+)
+# Non-layer tensors used after the last layer: final norm and output head.
+_HEAD_TENSOR = re.compile(r"(?:^|\.)(?:norm|norm_f|final_layernorm|ln_f|lm_head|output)(?:\.|$)")
+
+ModelPart = int | Literal["embedding", "head", "unused"]
+
+
+def tensor_part(name: str, n_layers: int) -> ModelPart:
+    """The layer index, or the non-layer part, a tensor belongs to. Layers past
+    `n_layers` (e.g. multi-token-prediction layers) are not loaded: "unused"."""
+    match = _LAYER_TENSOR.match(name)
+    if match:
+        layer = int(match.group(1))
+        return layer if layer < n_layers else "unused"
+    if "embed" not in name and _HEAD_TENSOR.search(name):
+        return "head"
+    return "embedding"
+
+
+def weight_files_from_map(
+    weight_map: Mapping[str, str], n_layers: int, sizes: Mapping[str, int]
+) -> tuple[WeightFile, ...]:
+    """The weight files of a tensor -> file map, each with the parts it holds."""
+    layers: dict[str, set[int]] = {}
+    embedding: set[str] = set()
+    head: set[str] = set()
+    for tensor, file in weight_map.items():
+        layers.setdefault(file, set())
+        part = tensor_part(tensor, n_layers)
+        if isinstance(part, int):
+            layers[file].add(part)
+        elif part == "embedding":
+            embedding.add(file)
+        elif part == "head":
+            head.add(file)
+    return tuple(
+        WeightFile(
+            name=file,
+            layers=tuple(sorted(layers[file])),
+            embedding=file in embedding,
+            head=file in head,
+            size_bytes=sizes.get(file),
+        )
+        for file in sorted(layers)
+    )
+
+
+def layer_files(card: ModelCard, start: int, end: int) -> set[str]:
+    """The weight files holding layers [start, end), plus the embedding's files on
+    the first rank and the norm/head's files on the last (the embedding's too when
+    the head is tied to it)."""
+    if not 0 <= start < end <= card.n_layers:
+        raise ValueError(f"layer range [{start}, {end}) is not within [0, {card.n_layers})")
+    first, last = start == 0, end == card.n_layers
+    return {
+        f.name
+        for f in card.weight_files
+        if any(start <= i < end for i in f.layers)
+        or (f.embedding and (first or (last and card.tie_word_embeddings)))
+        or (f.head and last)
+    }
+
+
+def shard_files(card: ModelCard, start: int, end: int) -> set[str]:
+    """Every file a node serving layers [start, end) needs: its weight files plus
+    the config/tokenizer files."""
+    return layer_files(card, start, end) | set(card.metadata_files)
+
+
+def is_metadata_file(name: str) -> bool:
+    """A file a node needs besides the weights (config, tokenizer, index, ...)."""
+    return (
+        not name.startswith(".")
+        and name not in _NOT_NEEDED_NAMES
+        and not name.endswith(".safetensors")
+        and not name.endswith(_NOT_NEEDED_SUFFIXES)
+    )

@@ -1,0 +1,23 @@
+"""A model this node serves: the first rank's runner and what the API needs with it."""
+
+from dataclasses import dataclass, field
+
+from exo.models.chat_tokenizer import ChatTokenizer
+from exo.models.sampling_defaults import SamplingDefaults
+from exo.shared.types.ids import ModelId
+from exo.worker.runner.supervisor import RunnerSupervisor
+
+
+@dataclass
+class ServedModel:
+    model_id: ModelId
+    tokenizer: ChatTokenizer
+    context_length: int
+    runner: RunnerSupervisor
+    created: int
+    # What a request leaves out of its sampling (the model's generation_config.json).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+
+    @property
+    def vocabulary_size(self) -> int:
+        return len(self.tokenizer)

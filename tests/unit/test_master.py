@@ -1,0 +1,305 @@
+"""The master: commands carried out (decide -> index -> apply) with their index,
+retries indexed once, office, and its duties (node timeouts, re-placement)."""
+
+from pathlib import Path
+
+import pytest
+from loguru import logger
+
+from exo.master.master import Master, NotMaster, may_originate, timed_out_nodes
+from exo.shared.event_log import EventLog
+from exo.shared.event_store import EventStore
+from exo.shared.types.commands import CommandRejected, DeleteInstance, PlaceInstance
+from exo.shared.types.downloads import DownloadProgress
+from exo.shared.types.events import (
+    DownloadProgressed,
+    DownloadRemoved,
+    Event,
+    InstanceCreated,
+    InstanceDeleted,
+    MasterElected,
+    ModelCardPublished,
+    NodeJoined,
+    NodeTelemetryReported,
+    NodeTimedOut,
+    RunnerStatusChanged,
+)
+from exo.shared.types.ids import InstanceId, ModelId, NodeId
+from exo.shared.types.state import Instance, InstanceRank, NodeInfo, NodeTelemetry, State
+from tests.unit.sharded_card import GB, sharded_card
+
+A, B, C = NodeId("a"), NodeId("b"), NodeId("c")
+M = ModelId("org/m")
+CARD = sharded_card(M)
+
+
+def telemetry(ram_gb: float) -> NodeTelemetry:
+    return NodeTelemetry(
+        ram_total=int(ram_gb * GB), ram_available=int(ram_gb * GB), disk_free=100 * GB,
+        cpu_count=8, platform="darwin", mlx_backend="metal",
+    )  # fmt: skip
+
+
+PROGRESS = DownloadProgress(
+    model_id=M, status="downloading", files_total=1, files_done=0, bytes_total=10, bytes_done=5
+)
+
+
+def cluster(
+    tmp_path: Path, node_timeout_seconds: float = 60.0, heard: dict[NodeId, int] | None = None
+) -> tuple[EventStore, Master]:
+    """A store with nodes a (the master), b and c, 8 GB each; a in office.
+    `heard`: the peers the link hears (None: no link, every node counts)."""
+    store = EventStore(A, EventLog.open(tmp_path / "events.log"))
+    for n in (A, B, C):
+        store.index(
+            n,
+            [
+                (f"join-{n}", NodeJoined(node_id=n, grpc_address=f"{n}:52414", started_at_ms=0)),
+                (f"tel-{n}", NodeTelemetryReported(node_id=n, telemetry=telemetry(8))),
+            ],
+        )
+    master = Master(
+        store,
+        node_timeout_seconds=node_timeout_seconds,
+        duty_interval_seconds=1,
+        heard_ms=None if heard is None else lambda: heard,
+    )
+    master.take_office()
+    return store, master
+
+
+def events_from(store: EventStore, idx: int) -> list[Event]:
+    found = []
+    while (indexed := store.event_at(idx)) is not None:
+        found.append(indexed.event)
+        idx += 1
+    return found
+
+
+def place(instance_id: str = "p", card: bool = True) -> PlaceInstance:
+    return PlaceInstance(
+        instance_id=InstanceId(instance_id), model_id=M, max_nodes=1, card=CARD if card else None
+    )
+
+
+def test_out_of_office_it_refuses_commands_and_events(tmp_path: Path) -> None:
+    store = EventStore(A, EventLog.open(tmp_path / "events.log"))
+    master = Master(store, node_timeout_seconds=60, duty_interval_seconds=1)
+    with pytest.raises(NotMaster):
+        master.execute("c1", A, place())
+    with pytest.raises(NotMaster):
+        master.accept(B, [("e1", NodeJoined(node_id=B, grpc_address=None, started_at_ms=0))])
+    assert store.next_idx == 0
+
+
+def test_taking_office_starts_the_next_term(tmp_path: Path) -> None:
+    store, master = cluster(tmp_path)
+    assert master.in_office
+    assert events_from(store, store.next_idx - 1) == [MasterElected(master_id=A, term=1)]
+    master.leave_office()
+    master.take_office()
+    assert store.state.master_term == 2
+    assert store.state.master_id == A
+
+
+def test_a_placement_brings_its_card_and_returns_the_index_of_its_last_event(
+    tmp_path: Path,
+) -> None:
+    store, master = cluster(tmp_path)
+    first = store.next_idx
+    last_idx = master.execute("c1", B, place())
+    new = events_from(store, first)
+    assert [type(e) for e in new] == [ModelCardPublished, InstanceCreated]
+    assert new[0] == ModelCardPublished(card=CARD)
+    assert last_idx == first + 1 == store.state.last_idx
+    indexed = store.event_at(last_idx)
+    assert indexed is not None and indexed.origin == B
+    assert store.state.cards[M] == CARD
+    assert InstanceId("p") in store.state.instances
+
+
+def test_a_known_card_is_not_published_again(tmp_path: Path) -> None:
+    store, master = cluster(tmp_path)
+    master.execute("c1", B, place("p1"))
+    first = store.next_idx
+    master.execute("c2", B, place("p2", card=False))
+    assert [type(e) for e in events_from(store, first)] == [InstanceCreated]
+
+
+def test_a_retried_command_is_indexed_once_and_answers_the_current_index(
+    tmp_path: Path,
+) -> None:
+    store, master = cluster(tmp_path)
+    last_idx = master.execute("c1", B, place())
+    assert master.execute("c1", B, place()) == last_idx
+    master.accept(C, [("e1", NodeTelemetryReported(node_id=C, telemetry=telemetry(4)))])
+    assert master.execute("c1", B, place()) == store.state.last_idx == last_idx + 1
+    assert len(store.state.instances) == 1
+
+
+def test_a_rejected_command_indexes_nothing(tmp_path: Path) -> None:
+    store, master = cluster(tmp_path)
+    before = store.next_idx
+    with pytest.raises(CommandRejected, match="no instance 'nope'") as info:
+        master.execute("c1", B, DeleteInstance(instance_id=InstanceId("nope")))
+    assert info.value.not_found
+    with pytest.raises(CommandRejected, match="describes org/other"):
+        master.execute("c2", B, place().model_copy(update={"card": sharded_card("org/other")}))
+    assert store.next_idx == before
+
+
+def test_accepted_events_are_deduplicated_by_id(tmp_path: Path) -> None:
+    store, master = cluster(tmp_path)
+    before = store.next_idx
+    joined = NodeJoined(node_id=B, grpc_address=None, started_at_ms=1)
+    assert master.accept(B, [("x:0", joined)]) == before
+    assert master.accept(B, [("x:0", joined)]) == before
+    assert store.next_idx == before + 1
+
+
+RING = Instance(
+    instance_id=InstanceId("ring"),
+    model_id=M,
+    ranks=(
+        InstanceRank(node_id=B, start_layer=0, end_layer=2),
+        InstanceRank(node_id=C, start_layer=2, end_layer=4),
+    ),
+    ring_hosts=("b:52500", "c:52500"),
+)
+ALONE = Instance(
+    instance_id=InstanceId("alone"),
+    model_id=M,
+    ranks=(InstanceRank(node_id=B, start_layer=0, end_layer=4),),
+)
+MINE = {RING.instance_id: RING, ALONE.instance_id: ALONE}
+
+
+@pytest.mark.parametrize(
+    ("origin", "event", "allowed"),
+    [
+        (B, NodeJoined(node_id=B, grpc_address="b:1", started_at_ms=0), True),
+        (B, NodeJoined(node_id=C, grpc_address="c:1", started_at_ms=0), False),
+        (B, NodeTelemetryReported(node_id=B, telemetry=telemetry(8)), True),
+        (B, NodeTelemetryReported(node_id=C, telemetry=telemetry(8)), False),
+        (B, RunnerStatusChanged(instance_id=RING.instance_id, node_id=B, status="ready"), True),
+        (B, RunnerStatusChanged(instance_id=RING.instance_id, node_id=C, status="failed"), False),
+        (B, DownloadProgressed(node_id=B, progress=PROGRESS), True),
+        (B, DownloadProgressed(node_id=C, progress=PROGRESS), False),
+        (B, DownloadRemoved(node_id=B, model_id=M), True),
+        (B, DownloadRemoved(node_id=C, model_id=M), False),
+        (B, ModelCardPublished(card=CARD), True),
+        (B, InstanceDeleted(instance_id=ALONE.instance_id), True),  # only B serves it
+        (C, InstanceDeleted(instance_id=ALONE.instance_id), False),
+        (B, InstanceDeleted(instance_id=RING.instance_id), False),  # C serves it too
+        (B, InstanceDeleted(instance_id=InstanceId("gone")), True),  # nothing to delete
+        (B, InstanceCreated(instance=ALONE), False),  # a command, decided by the master
+        (B, NodeTimedOut(node_id=C), False),
+        (B, NodeTimedOut(node_id=B), False),
+        (B, MasterElected(master_id=B, term=9), False),
+    ],
+)
+def test_what_a_node_may_originate(origin: NodeId, event: Event, allowed: bool) -> None:
+    assert may_originate(State(instances=MINE), origin, event) is allowed
+
+
+def test_events_a_node_may_not_originate_are_refused_and_logged(tmp_path: Path) -> None:
+    store, master = cluster(tmp_path)
+    before = store.next_idx
+    logged: list[str] = []
+    sink = logger.add(logged.append, level="WARNING", format="{message}")
+    try:
+        master.accept(
+            B,
+            [
+                ("x:0", MasterElected(master_id=B, term=99)),
+                ("x:1", NodeTelemetryReported(node_id=B, telemetry=telemetry(4))),
+                ("x:2", NodeTimedOut(node_id=C)),
+            ],
+        )
+    finally:
+        logger.remove(sink)
+    assert events_from(store, before) == [NodeTelemetryReported(node_id=B, telemetry=telemetry(4))]
+    assert store.state.master_term == 1 and C in store.state.nodes
+    assert len(logged) == 1
+    assert "refused 2 event(s) from node b" in logged[0]
+    assert "master_elected, node_timed_out" in logged[0]
+
+
+@pytest.mark.parametrize(
+    ("seen", "heard", "now", "expected"),
+    [
+        ({A: 0, B: 1000, C: 5000}, {}, 6000, [B]),
+        ({A: 0, B: 1000, C: 5000}, {}, 20_000, [B, C]),
+        ({A: 0, B: 1000}, {}, 3000, []),
+        ({A: 0}, {}, 1_000_000, []),  # the master never times itself out
+        # the link heard B lately: no events needed to stay
+        ({A: 0, B: 1000, C: 5000}, {B: 5500}, 6000, []),
+        ({A: 0, B: 1000, C: 5000}, {B: 5500}, 20_000, [B, C]),
+    ],
+)
+def test_timed_out_nodes(
+    seen: dict[NodeId, int], heard: dict[NodeId, int], now: int, expected: list[NodeId]
+) -> None:
+    state = State(
+        nodes={
+            n: NodeInfo(node_id=n, grpc_address=None, started_at_ms=0, last_seen_ms=t)
+            for n, t in seen.items()
+        }
+    )
+    assert timed_out_nodes(state, now, 4000, A, heard) == expected
+
+
+def test_tend_times_out_silent_nodes_and_places_their_rings_again(tmp_path: Path) -> None:
+    store, master = cluster(tmp_path, node_timeout_seconds=-1)  # everyone else is silent
+    store.index(
+        A, [("card", ModelCardPublished(card=CARD)), ("ring", InstanceCreated(instance=RING))]
+    )
+    master.tend()
+    state = store.state
+    assert set(state.nodes) == {A}
+    [replaced] = state.instances.values()
+    assert replaced.model_id == M and replaced.instance_id != "ring"
+    assert replaced.node_ids == (A,)
+    # The facts are in the log: a restarted master folds the same state.
+    assert EventStore(A, EventLog.open(tmp_path / "events.log")).state == state
+
+
+def test_it_places_only_on_the_nodes_the_link_hears(tmp_path: Path) -> None:
+    heard = {B: 0, C: 0}
+    store, master = cluster(tmp_path, heard=heard)
+    del heard[C]
+    with pytest.raises(CommandRejected):
+        master.execute(
+            "c1", B, PlaceInstance(instance_id=InstanceId("p"), model_id=M, min_nodes=3, card=CARD)
+        )
+    master.execute(
+        "c2", B, PlaceInstance(instance_id=InstanceId("p"), model_id=M, min_nodes=2, card=CARD)
+    )
+    assert set(store.state.instances[InstanceId("p")].node_ids) == {A, B}
+    heard[C] = 0  # heard again: back in placement
+    master.execute("c3", B, DeleteInstance(instance_id=InstanceId("p")))
+    master.execute("c4", B, PlaceInstance(instance_id=InstanceId("q"), model_id=M, min_nodes=3))
+    assert set(store.state.instances[InstanceId("q")].node_ids) == {A, B, C}
+
+
+def test_a_node_the_link_lost_takes_its_rings_down_at_once(tmp_path: Path) -> None:
+    heard = {B: 0, C: 0}
+    store, master = cluster(tmp_path, heard=heard)  # a node timeout of a minute
+    master.execute(
+        "c1",
+        B,
+        PlaceInstance(instance_id=InstanceId("p"), model_id=M, min_nodes=2, max_nodes=2, card=CARD),
+    )
+    placed = store.state.instances[InstanceId("p")]
+    lost = placed.node_ids[-1]
+    master.tend()
+    assert list(store.state.instances) == [InstanceId("p")]  # all heard: nothing to do
+    del heard[lost]
+    master.tend()
+    state = store.state
+    assert lost in state.nodes  # not timed out: only out of placement
+    [again] = state.instances.values()
+    assert again.instance_id != placed.instance_id
+    assert lost not in again.node_ids
+    assert len(again.ranks) == 2 and (again.min_nodes, again.max_nodes) == (2, 2)
