@@ -61,6 +61,9 @@ def test_state_shows_this_node_its_instance_and_runner(node: NodeProcess) -> Non
         "model_id": DEFAULT_MODEL_ID,
         "ranks": [{"node_id": node_id, "start_layer": 0, "end_layer": 30}],
         "ring_hosts": [],
+        # what re-placement after a lost rank keeps (the node asked for itself)
+        "min_nodes": 1,
+        "max_nodes": None,
     }
     assert state["runners"][instance_id][node_id]["status"] in ("ready", "running")
     # The node told the cluster which models it has: the card and every file.

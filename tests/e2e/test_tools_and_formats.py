@@ -132,7 +132,9 @@ def test_a_tool_result_round_trips_and_the_next_turn_hits_the_whole_history(
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     cached = second.usage.prompt_tokens_details.cached_tokens or 0
     # The earlier prompt and the generated call are reused, not prefilled again.
-    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    # Only the call's last few tokens may differ: the grammar can make the model
+    # write `}}` as two tokens where the re-rendered text tokenizes it as one.
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 12
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 

@@ -236,8 +236,17 @@ def test_smollm_pipelines_generate_what_one_runner_does(smollm_dir: Path, tmp_pa
             )
             outputs[ranks] = [(answer, usage), entry.generate("follow-up", follow_up, GREEDY)]
     assert "Paris" in outputs[1][0][0]
-    assert outputs[2] == outputs[1]
-    assert outputs[3] == outputs[1]
+
+    def without_cached(turns: list[tuple[str, Usage]]) -> list[tuple[str, int, int]]:
+        return [(text, u.prompt_tokens, u.completion_tokens) for text, u in turns]
+
+    for ranks in (2, 3):
+        assert without_cached(outputs[ranks]) == without_cached(outputs[1])
+        # A single runner decodes one step ahead, so it also holds (and stores) the
+        # KV of the reply's end-of-turn token; rank 0 of a pipeline never forwards
+        # it, so the follow-up reuses at most one token less there.
+        local, piped = outputs[1][1][1].cached_tokens, outputs[ranks][1][1].cached_tokens
+        assert local - 1 <= piped <= local
     assert outputs[3][1][1].cached_tokens >= len(question) - 1
 
 
