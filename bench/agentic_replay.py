@@ -19,21 +19,16 @@ the other on the same machine, and reports:
 """
 
 import argparse
-import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from exo_node import free_port, start_node, stop_exo, stream_chat
+from exo_node import float32_copy, mlx_lm_server, start_node, stream_chat
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from exo.engine.token_trie import common_prefix_length
@@ -204,61 +199,6 @@ def replay(
                     f"ideal {ideal_cached:5d}, ttft {request.ttft:6.2f}s"
                 )
     return result
-
-
-def float32_copy(model_dir: Path, target: Path) -> Path:
-    """The model as exo runs it on the CPU (dequantized to float32), for mlx_lm.server."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from exo.engine.mlx.load import load_for_inference
-
-    model, _ = load_for_inference(model_dir)
-    target.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(target / "model.safetensors"), weights)
-    config = json.loads((model_dir / "config.json").read_text())
-    config.pop("quantization", None)
-    config.pop("quantization_config", None)
-    (target / "config.json").write_text(json.dumps(config))
-    for path in model_dir.iterdir():
-        if path.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_")):
-            shutil.copy(path, target / path.name)
-    return target
-
-
-@contextmanager
-def mlx_lm_server(model_dir: Path, work: Path) -> Iterator[str]:
-    """`mlx_lm.server` with its default flags (OpenBLAS preloaded, as for exo's runners)."""
-    from exo.worker.runner.blas import runner_environment
-
-    port = free_port()
-    log = (work / "mlx_lm_server.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=runner_environment(work / "blas"),
-        start_new_session=True,
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"mlx_lm.server exited: see {work / 'mlx_lm_server.log'}")
-            try:
-                httpx.get(f"{base_url}/v1/models", timeout=2).raise_for_status()
-                break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("mlx_lm.server did not start") from None
-                time.sleep(0.5)
-        yield base_url
-    finally:
-        stop_exo(process)
-        log.close()
 
 
 def main() -> int:

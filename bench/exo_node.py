@@ -317,3 +317,58 @@ def stream_chat(
     result.total_seconds = time.perf_counter() - start
     result.text = "".join(parts)
     return result
+
+
+def float32_copy(model_dir: Path, target: Path) -> Path:
+    """The model as exo runs it on the CPU (dequantized to float32), for mlx_lm.server."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from exo.engine.mlx.load import load_for_inference
+
+    model, _ = load_for_inference(model_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(target / "model.safetensors"), weights)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    (target / "config.json").write_text(json.dumps(config))
+    for path in model_dir.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_")):
+            shutil.copy(path, target / path.name)
+    return target
+
+
+@contextmanager
+def mlx_lm_server(model_dir: Path, work: Path) -> Iterator[str]:
+    """`mlx_lm.server` with its default flags (OpenBLAS preloaded, as for exo's runners)."""
+    from exo.worker.runner.blas import runner_environment
+
+    port = free_port()
+    log = (work / "mlx_lm_server.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=runner_environment(work / "blas"),
+        start_new_session=True,
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"mlx_lm.server exited: see {work / 'mlx_lm_server.log'}")
+            try:
+                httpx.get(f"{base_url}/v1/models", timeout=2).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("mlx_lm.server did not start") from None
+                time.sleep(0.5)
+        yield base_url
+    finally:
+        stop_exo(process)
+        log.close()

@@ -59,6 +59,7 @@ class FakeHub:
         self._failures: dict[str, int] = {}
         self._corrupt: set[str] = set()
         self._ignore_range: set[str] = set()
+        self._holds: dict[str, tuple[int, threading.Event]] = {}
         self._lock = threading.Lock()
         self._server = _Server(("127.0.0.1", 0), _Handler, self)
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,))
@@ -86,6 +87,18 @@ class FakeHub:
         """The next response for `path` ignores Range: 200 with the whole file."""
         with self._lock:
             self._ignore_range.add(path)
+
+    def hold_after(self, path: str, n_bytes: int) -> threading.Event:
+        """The next response for `path` pauses after `n_bytes` until the
+        returned event is set (at most a minute): a download caught in the middle."""
+        release = threading.Event()
+        with self._lock:
+            self._holds[path] = (n_bytes, release)
+        return release
+
+    def _take_hold(self, path: str) -> tuple[int, threading.Event] | None:
+        with self._lock:
+            return self._holds.pop(path, None)
 
     def offsets(self, path: str) -> list[int]:
         """Where each request for `path` started."""
@@ -276,11 +289,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {offset}-{len(data) - 1}/{len(data)}")
         self.end_headers()
         limit = len(body) if cut is None else min(cut, len(body))
+        hold = self.hub._take_hold(file)
         try:
             for start in range(0, limit, _CHUNK):
                 chunk = body[start : min(start + _CHUNK, limit)]
                 self.wfile.write(chunk)
                 self.hub._count(file, len(chunk))
+                if hold is not None and start + len(chunk) >= hold[0]:
+                    self.wfile.flush()
+                    hold[1].wait(60)
+                    hold = None
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             return  # the client went away: its retry is a new request

@@ -217,8 +217,12 @@ def start_runner(
     hostfile: Path | None = None,
     rank: int = 0,
     layers: LayerRange | None = None,
+    prefix_cache_dir: Path | None = None,
+    prefix_cache_disk_bytes: int = 0,
 ) -> RunnerProcess:
-    command = runner_command(model_dir, prefix_cache_bytes, layers)
+    command = runner_command(
+        model_dir, prefix_cache_bytes, layers, prefix_cache_dir, prefix_cache_disk_bytes
+    )
     name = f"runner-{rank}-of-{hostfile.stem if hostfile else 'single'}.log"
     return RunnerProcess(command, rank_environment(work_dir, hostfile, rank), work_dir / name)
 
@@ -239,8 +243,11 @@ def running_pipeline(
     bounds: Sequence[int],
     prefix_cache_bytes: int = 1 << 30,
     ready_timeout: float = 120,
+    prefix_cache_dir: Path | None = None,
+    prefix_cache_disk_bytes: int = 1 << 30,
 ) -> Iterator[Pipeline]:
-    """len(bounds) - 1 ranks (one runner, no ring, for a single range), all ready."""
+    """len(bounds) - 1 ranks (one runner, no ring, for a single range), all ready;
+    with `prefix_cache_dir`, their prefix caches keep a disk tier there."""
     count = len(bounds) - 1
     hostfile = write_hostfile(work_dir, count) if count > 1 else None
     runners = [
@@ -253,6 +260,8 @@ def running_pipeline(
             LayerRange(start=bounds[rank], end=bounds[rank + 1], total=bounds[-1])
             if hostfile
             else None,
+            prefix_cache_dir,
+            prefix_cache_disk_bytes,
         )
         for rank in range(count)
     ]

@@ -118,3 +118,12 @@ def plan(node_id: NodeId, state: State, local: LocalFacts) -> Action | None:
             assert rank is not None
             return StartRunner(instance, rank)
     return None
+
+
+def wants_standby(state: State) -> bool:
+    """Whether a node keeps a runner process started ahead (`runner/standby.py`):
+    while a model runs across nodes, whose re-placement after a node's death
+    must not wait for processes to start."""
+    return len(state.nodes) > 1 and any(
+        len(instance.ranks) > 1 for instance in state.instances.values()
+    )

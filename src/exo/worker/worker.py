@@ -4,6 +4,7 @@ rank the cluster state places on this node, and stops what is no longer needed
 
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,8 +41,11 @@ from exo.worker.plan import (
     StopRunner,
     needed_files,
     plan,
+    wants_standby,
 )
-from exo.worker.runner.supervisor import RunnerSupervisor
+from exo.worker.runner.blas import runner_environment
+from exo.worker.runner.standby import standby_command
+from exo.worker.runner.supervisor import SHUTDOWN_GRACE_SECONDS, RunnerSupervisor
 from exo.worker.served_model import ServedModel
 
 # Re-plan at least this often even without events (bounded waits).
@@ -96,17 +100,21 @@ class Worker:
         self._have: dict[ModelId, set[str]] = {}
         self._download_failed: set[InstanceId] = set()
         self._sources_used: dict[ModelId, str] = {}  # where each model's last bytes came from
+        # A runner process started ahead, for the next runner (see `standby.py`).
+        self._standby: anyio.abc.Process | None = None
 
     async def run(self) -> None:
         async with anyio.create_task_group() as group:
             try:
                 while True:
                     await self._reconcile(group)
+                    await self._tend_standby()
                     await self.link.wait_until(self.link.state.last_idx + 1, REPLAN_SECONDS)
             finally:
                 with anyio.CancelScope(shield=True):
                     for instance_id in list(self._running):
                         await self._stop(instance_id)
+                    await self._close_standby()
                 for download in self._downloads.values():
                     download.scope.cancel()
 
@@ -268,6 +276,46 @@ class Worker:
 
     # -- runners -------------------------------------------------------------------
 
+    async def _tend_standby(self) -> None:
+        """Keep one runner process started ahead while the cluster runs a model
+        across nodes (a node's death then places ranks here at once); none while
+        a runner here starts, so that it has the CPU."""
+        if self._standby is not None and self._standby.returncode is not None:
+            self._standby = None  # it died: started again below
+        if not wants_standby(self.link.state):
+            await self._close_standby()
+            return
+        starting = any(
+            running.runner is not None and running.runner.status in ("starting", "loading")
+            for running in self._running.values()
+        )
+        if self._standby is None and not starting:
+            try:
+                self._standby = await anyio.open_process(
+                    standby_command(), env=runner_environment(self.cache_dir), stderr=None
+                )
+                logger.info(f"standby runner process {self._standby.pid} started")
+            except OSError as error:
+                logger.warning(f"cannot start a standby runner process: {error}")
+
+    def _take_standby(self) -> anyio.abc.Process | None:
+        standby, self._standby = self._standby, None
+        return standby
+
+    async def _close_standby(self) -> None:
+        standby = self._take_standby()
+        if standby is None:
+            return
+        with anyio.CancelScope(shield=True):
+            if standby.stdin is not None:
+                with suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    await standby.stdin.aclose()  # the end of stdin ends it
+            with anyio.move_on_after(SHUTDOWN_GRACE_SECONDS):
+                await standby.wait()
+            if standby.returncode is None:
+                standby.kill()
+                await standby.wait()
+
     def _report(self, instance: Instance, status: RunnerStatus, error: str | None) -> None:
         self.link.publish(
             RunnerStatusChanged(
@@ -299,13 +347,8 @@ class Worker:
             )
             if path is None:
                 path = await anyio.to_thread.run_sync(self.models.resolve, instance.model_id)
-            tokenizer = (
-                await anyio.to_thread.run_sync(load_chat_tokenizer, path) if rank == 0 else None
-            )
         except Exception as error:  # any failure to prepare the model is the runner's failure
-            logger.error(f"cannot serve {instance.model_id}: {error}")
-            self._running[instance.instance_id] = _Running(instance, None)
-            self._report(instance, "failed", f"{type(error).__name__}: {error}")
+            self._cannot_serve(instance, error)
             return
         runner = RunnerSupervisor(
             instance,
@@ -315,9 +358,21 @@ class Worker:
             self.cache_dir,
             prefix_cache_disk_bytes=self.prefix_cache_disk_bytes,
             on_status=lambda status, error: self._report(instance, status, error),
+            standby=self._take_standby,
         )
-        served: ServedModel | None = None
-        if tokenizer is not None:
+        running = _Running(instance, None, runner)
+        self._running[instance.instance_id] = running
+
+        async def supervise() -> None:
+            with running.scope:
+                await runner.run()
+
+        # The runner first: its ring peers wait for it; the API's tokenizer meanwhile.
+        group.start_soon(supervise)
+        if rank != 0:
+            return
+        try:
+            tokenizer = await anyio.to_thread.run_sync(load_chat_tokenizer, path)
             served = ServedModel(
                 model_id=instance.model_id,
                 tokenizer=tokenizer,
@@ -326,15 +381,19 @@ class Worker:
                 created=int(time.time()),
                 sampling_defaults=read_sampling_defaults(path),
             )
+        except Exception as error:
+            await runner.shutdown()
+            running.scope.cancel()
+            self._cannot_serve(instance, error)
+            return
+        if self._running.get(instance.instance_id) is running:
+            running.served = served
             self.served[instance.model_id] = served
-        running = _Running(instance, served, runner)
-        self._running[instance.instance_id] = running
 
-        async def supervise() -> None:
-            with running.scope:
-                await runner.run()
-
-        group.start_soon(supervise)
+    def _cannot_serve(self, instance: Instance, error: Exception) -> None:
+        logger.error(f"cannot serve {instance.model_id}: {error}")
+        self._running[instance.instance_id] = _Running(instance, None)
+        self._report(instance, "failed", f"{type(error).__name__}: {error}")
 
     async def _stop(self, instance_id: InstanceId) -> None:
         running = self._running.pop(instance_id)

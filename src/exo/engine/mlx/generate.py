@@ -49,7 +49,7 @@ from exo.shared.types.tasks import FinishReason, GenerationParams, SampledLogpro
 PREFILL_STEP_TOKENS = 512
 # Decode runs on its own stream, as mlx_lm's `generate_step` does, so the next
 # step is computed while the current token is turned into text.
-_DECODE_STREAM = mx.new_thread_local_stream(mx.default_device())
+DECODE_STREAM = mx.new_thread_local_stream(mx.default_device())
 # Give MLX's buffer cache back every this many decoded tokens (as mlx_lm does).
 _CLEAR_CACHE_TOKENS = 256
 
@@ -165,7 +165,7 @@ class LocalModel:
         sampling = self.sampling
 
         def step(previous: mx.array) -> PendingToken:
-            with mx.stream(_DECODE_STREAM):
+            with mx.stream(DECODE_STREAM):
                 return sampling.draw(self.model(previous[None], cache=layers)[:, -1, :])
 
         current = step(mx.array([token]))
@@ -208,44 +208,63 @@ class TextGenerator:
         is_cancelled: Callable[[], bool] = lambda: False,
         on_progress: Callable[[int, int], None] = lambda done, total: None,
     ) -> Iterator[GenerationOutput]:
+        match, layers = self.start(tokens, params)
+        with self.forward.request(tokens, params, system_prompt_length, match):
+            chunks = self.prefill_chunks(
+                tokens[:-1], match.usable, layers, self.checkpoint_at(system_prompt_length, layers)
+            )
+            done, total = match.usable, len(tokens) - 1
+            on_progress(done, total)
+            while done < total:
+                if is_cancelled():
+                    raise GenerationCancelled
+                done = next(chunks)
+                on_progress(done, total)
+            generated: list[int] = []
+            stream = TextStream(self.tokenizer, params, len(tokens), match.usable)
+            for sampled in self._steps(tokens, layers, params.max_tokens, generated):
+                yield from stream.feed(sampled)
+                if stream.finished:
+                    break
+                if is_cancelled():
+                    raise GenerationCancelled
+            if not stream.finished:
+                yield from stream.end()
+            self.store_reply(tokens, generated, layers)
+
+    def start(
+        self, tokens: Sequence[int], params: GenerationParams
+    ) -> tuple[PrefixMatch, list[LayerCache]]:
+        """Check a request, then restore the longest cached prefix of its prompt:
+        the cache's decision and the cache objects to prefill the rest into."""
         if not tokens:
             raise ValueError("the prompt has no tokens")
         if params.constraint is not None:
             # Fails the task before any work (in a pipeline the last rank compiles
             # the same grammar again: it cannot fail there then).
             compile_constraint(self.tokenizer, params.constraint)
-        match, layers = resume(self.prefix_cache, tokens, self.forward.make_cache)
-        with self.forward.request(tokens, params, system_prompt_length, match):
-            checkpoint = (
-                system_prompt_length
-                if self.prefix_cache is not None and needs_checkpoints(layers)
-                else 0
-            )
-            self._prefill(tokens[:-1], match.usable, layers, is_cancelled, on_progress, checkpoint)
-            generated: list[int] = []
-            steps = self._steps(tokens, layers, params.max_tokens, generated)
-            yield from stream_text(
-                self.tokenizer, steps, params, len(tokens), match.usable, is_cancelled
-            )
-            self._store_reply(tokens, generated, layers)
+        return resume(self.prefix_cache, tokens, self.forward.make_cache)
 
-    def _prefill(
+    def checkpoint_at(self, system_prompt_length: int, layers: list[LayerCache]) -> int:
+        """Where prefill stores a checkpoint: the system prompt's end, for caches
+        that cannot be cut back (0: none)."""
+        if self.prefix_cache is not None and needs_checkpoints(layers):
+            return system_prompt_length
+        return 0
+
+    def prefill_chunks(
         self,
         tokens: Sequence[int],
         done: int,
         layers: list[LayerCache],
-        is_cancelled: Callable[[], bool],
-        on_progress: Callable[[int, int], None],
         checkpoint: int = 0,
-    ) -> None:
-        """Prefill `tokens` from `done` (those were restored) in chunks. Caches that
-        cannot be cut back are stored on the way at `checkpoint` (the system prompt's
-        end), which other conversations with that system prompt restore."""
+    ) -> Iterator[int]:
+        """Prefill `tokens` from `done` (those were restored) a chunk per step,
+        yielding how many are done after each. Caches that cannot be cut back are
+        stored on the way at `checkpoint` (the system prompt's end), which other
+        conversations with that system prompt restore."""
         total = len(tokens)
-        on_progress(done, total)
         while done < total:
-            if is_cancelled():
-                raise GenerationCancelled
             end = min(done + self.prefill_step_tokens, total)
             end = checkpoint if done < checkpoint < end else end
             chunk = tokens[done:end]
@@ -254,7 +273,7 @@ class TextGenerator:
             if done == checkpoint and self.prefix_cache is not None:
                 self.forward.storing(tokens[:done], done)
                 self.prefix_cache.store(tokens[:done], layers)
-            on_progress(done, total)
+            yield done
 
     def _steps(
         self,
@@ -270,15 +289,20 @@ class TextGenerator:
         first = self.forward.next_token(tokens[-1], layers)
         generated.append(first.token)
         yield first
-        if self.prefix_cache is not None and needs_checkpoints(layers):
-            self.forward.storing(tokens, len(tokens))
-            self.prefix_cache.store(tokens, layers)
+        self.store_prompt_checkpoint(tokens, layers)
         if max_tokens > 1:
             for sampled in self.forward.decode(first.token, layers, max_tokens - 1):
                 generated.append(sampled.token)
                 yield sampled
 
-    def _store_reply(
+    def store_prompt_checkpoint(self, tokens: Sequence[int], layers: list[LayerCache]) -> None:
+        """For caches that cannot be cut back: keep the prompt's state before the
+        reply (the next turn's template may rewrite the assistant turn)."""
+        if self.prefix_cache is not None and needs_checkpoints(layers):
+            self.forward.storing(tokens, len(tokens))
+            self.prefix_cache.store(tokens, layers)
+
+    def store_reply(
         self, tokens: Sequence[int], generated: Sequence[int], layers: list[LayerCache]
     ) -> None:
         """Keep the KV of the prompt and of the reply the cache objects hold, so the
@@ -291,55 +315,76 @@ class TextGenerator:
         self.prefix_cache.store(sequence, layers)
 
 
-def stream_text(
-    tokenizer: TokenizerWrapper,
-    steps: Iterator[SampledToken],
-    params: GenerationParams,
-    prompt_tokens: int,
-    cached_tokens: int,
-    is_cancelled: Callable[[], bool],
-) -> Iterator[GenerationOutput]:
-    """Generated tokens -> text deltas (with their logprobs), stopping at EOS or a
-    stop string, then the finish reason and usage. Stops pulling from `steps`
-    once finished."""
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    stops = StopMatcher(tuple(params.stop))
-    eos = set(tokenizer.eos_token_ids)
-    finish: FinishReason = "length"
-    produced = 0
-    # Logprobs of tokens whose text is not out yet (the detokenizer or the stop
-    # matcher holds it back): they go with the next delta.
-    unsent: list[SampledLogprob] = []
-    for sampled in steps:
-        produced += 1
-        if sampled.token in eos:
-            finish = "stop"
-            break
+class TextStream:
+    """One reply's generated tokens -> text deltas (with their logprobs), ended
+    at EOS, a stop string or `max_tokens`, then the finish reason and usage."""
+
+    def __init__(
+        self,
+        tokenizer: TokenizerWrapper,
+        params: GenerationParams,
+        prompt_tokens: int,
+        cached_tokens: int,
+    ) -> None:
+        self._detokenizer = tokenizer.detokenizer  # a fresh one per access
+        self._stops = StopMatcher(tuple(params.stop))
+        self._eos = set(tokenizer.eos_token_ids)
+        self._max_tokens = params.max_tokens
+        self._prompt_tokens = prompt_tokens
+        self._cached_tokens = cached_tokens
+        self._finish: FinishReason = "length"
+        self._produced = 0
+        # Logprobs of tokens whose text is not out yet (the detokenizer or the stop
+        # matcher holds it back): they go with the next delta.
+        self._unsent: list[SampledLogprob] = []
+        self.finished = False
+
+    def feed(self, sampled: SampledToken) -> list[GenerationOutput]:
+        """What one more token lets out; the last output is `GenerationDone` once
+        this token ends the reply."""
+        if self.finished:
+            raise RuntimeError("the reply has ended")
+        self._produced += 1
+        if sampled.token in self._eos:
+            self._finish = "stop"
+            return self.end()
         if (logprob := sampled.reported()) is not None:
-            unsent.append(logprob)
-        detokenizer.add_token(sampled.token)
-        text, hit_stop_string = stops.feed(detokenizer.last_segment)
+            self._unsent.append(logprob)
+        self._detokenizer.add_token(sampled.token)
+        text, hit_stop_string = self._stops.feed(self._detokenizer.last_segment)
+        outputs: list[GenerationOutput] = []
         if text:
-            yield TextDelta(text=text, logprobs=tuple(unsent))
-            unsent.clear()
-        if hit_stop_string:
-            break
-        if is_cancelled():
-            raise GenerationCancelled
-    tail = ""
-    if stops.matched is None:
-        detokenizer.finalize()
-        tail, _ = stops.feed(detokenizer.last_segment)
-        tail += stops.flush()
-    if stops.matched is not None:
-        finish = "stop"
-    if tail or unsent:
-        yield TextDelta(text=tail, logprobs=tuple(unsent))
-    yield GenerationDone(
-        finish_reason=finish,
-        usage=Usage(
-            prompt_tokens=prompt_tokens, completion_tokens=produced, cached_tokens=cached_tokens
-        ),
-        stop_sequence=stops.matched,
-    )
+            outputs.append(TextDelta(text=text, logprobs=tuple(self._unsent)))
+            self._unsent.clear()
+        if hit_stop_string or self._produced >= self._max_tokens:
+            outputs.extend(self.end())
+        return outputs
+
+    def end(self) -> list[GenerationOutput]:
+        """The held-back text and the finish, once."""
+        if self.finished:
+            return []
+        self.finished = True
+        stops = self._stops
+        tail = ""
+        if stops.matched is None:
+            self._detokenizer.finalize()
+            tail, _ = stops.feed(self._detokenizer.last_segment)
+            tail += stops.flush()
+        if stops.matched is not None:
+            self._finish = "stop"
+        outputs: list[GenerationOutput] = []
+        if tail or self._unsent:
+            outputs.append(TextDelta(text=tail, logprobs=tuple(self._unsent)))
+        outputs.append(
+            GenerationDone(
+                finish_reason=self._finish,
+                usage=Usage(
+                    prompt_tokens=self._prompt_tokens,
+                    completion_tokens=self._produced,
+                    cached_tokens=self._cached_tokens,
+                ),
+                stop_sequence=stops.matched,
+            )
+        )
+        return outputs

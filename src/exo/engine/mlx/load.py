@@ -6,13 +6,71 @@ from typing import Any, TypeVar, cast
 import mlx.core as mx
 import mlx.nn as nn
 from loguru import logger
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import dequantize_model, load_config, load_model, load_tokenizer
+from mlx_lm.utils import load_config, load_model, load_tokenizer
 
 from exo.engine.mlx.backend import backend_name
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def dequantized_f32(
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    group_size: int,
+    bits: int,
+    mode: str = "affine",
+) -> mx.array:
+    """A quantized weight as float32: `scale * q + bias` per group, computed in
+    float32 with elementwise ops, which on the CPU is 2-3x faster than
+    `mx.dequantize` (and exact where that rounds to the scales' float16). Other
+    modes and bit widths go through `mx.dequantize`."""
+    if mode != "affine" or biases is None or 32 % bits:
+        return mx.dequantize(weight, scales, biases, group_size, bits, mode).astype(mx.float32)
+    # Element j of a packed uint32 holds bits [j * bits, (j + 1) * bits).
+    shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+    values = ((weight[..., None] >> shifts) & ((1 << bits) - 1)).astype(mx.float32)
+    values = values.reshape(*weight.shape[:-1], -1, group_size)
+    values = values * scales.astype(mx.float32)[..., None] + biases.astype(mx.float32)[..., None]
+    return values.reshape(*weight.shape[:-1], -1)
+
+
+def dequantize_f32(model: ModuleT) -> ModuleT:
+    """Replace the quantized layers of `model` by float32 ones, evaluated one at a
+    time (peak memory: one layer's intermediates)."""
+    replaced: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not isinstance(
+            module, nn.QuantizedLinear | nn.QuantizedEmbedding | QuantizedSwitchLinear
+        ):
+            continue
+        weight = dequantized_f32(
+            module.weight,
+            module.scales,
+            module.get("biases"),
+            module.group_size,
+            module.bits,
+            module.mode,
+        )
+        mx.eval(weight)
+        bias = "bias" in module
+        plain: nn.Module
+        if isinstance(module, nn.QuantizedEmbedding):
+            plain = nn.Embedding(weight.shape[0], weight.shape[1])
+        elif isinstance(module, QuantizedSwitchLinear):
+            plain = SwitchLinear(weight.shape[-1], weight.shape[-2], weight.shape[0], bias=bias)
+        else:
+            plain = nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
+        plain.weight = weight
+        if bias:
+            plain["bias"] = module["bias"]
+        replaced.append((name, plain))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    return model
 
 
 def prepare_for_backend(model: ModuleT, config: dict[str, Any]) -> ModuleT:
@@ -24,7 +82,7 @@ def prepare_for_backend(model: ModuleT, config: dict[str, Any]) -> ModuleT:
     if backend_name() == "cpu":
         if "quantization" in config:
             logger.info("CPU backend: dequantizing weights to float32")
-            model = dequantize_model(model)
+            model = dequantize_f32(model)
         model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model

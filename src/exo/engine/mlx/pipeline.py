@@ -9,7 +9,9 @@ is rank 0:
       └─────────────────────────────────────┘
 
 Start: `HELLO` goes around with each rank's layers (they must cover the model
-in order) and whether it caches prefixes (all or none), then `START`.
+in order), whether it caches prefixes (all or none) and whether every rank so
+far keeps a disk tier, then `START`, which tells all whether every rank does
+(else none uses its own).
 
 Rank 0 drives: it is the generation loop's `Forward` (`generate.py`). It sends a
 task (token ids, sampling parameters, its prefix-cache decision), prefills the
@@ -31,6 +33,21 @@ prompt and reply (`STORE` carries how many tokens and the reply's ids); eviction
 rounds of `EVICT` (the union of every rank's victims, gathered around the ring)
 and `EVICTED` (handed around again), so no rank keeps an entry another dropped.
 
+Disk tier: each rank keeps its own layers' share of an entry in its own folder
+(the namespace names its layers), the file named by the entry's key (a digest of
+its tokens). After `START` the ranks gather the keys every one of them holds
+(`DISK_KEYS`, intersected around the ring) and hand the result around
+(`DISK_AGREED`); each removes the rest. Only rank 0 looks on disk: when a longer
+prefix is there it sends `LOAD` with the key before the task, each rank reads its
+file and passes on whether all so far could, and `LOADED` hands the verdict
+around: all store the entry, or all remove the file (a corrupt or missing share)
+and rank 0 tries the next best file, down to a miss. Evicted entries are written
+by each rank as it drops them (evictions are agreed); while idle rank 0 names the
+entry to write (`PERSIST`, passed on by each rank once written, so the ack says
+all did: one entry at a time, as a single runner writes); on a clean stop every
+rank writes the rest. Whatever the ranks did not write alike is dropped at the
+next start's key agreement.
+
 Failure: a rank that loses a neighbour, or hears nothing within a bound, raises
 `PeerLost` and its runner exits, which closes its own sockets, so a failure
 spreads around the ring.
@@ -46,6 +63,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from exo.engine.mlx.constrained import request_sampling
 from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, PrefixMatch, resume
+from exo.engine.mlx.prefix_cache_disk import DiskTier
 from exo.engine.mlx.ring import (
     Header,
     Op,
@@ -54,6 +72,8 @@ from exo.engine.mlx.ring import (
     RingLink,
     ids_message,
     ids_of,
+    keys_message,
+    keys_of,
     sampled_of,
     token_message,
 )
@@ -79,10 +99,14 @@ def handshake(
     cache_on: bool,
     timeout: float = LOAD_SECONDS,
     interrupt: Callable[[], None] = lambda: None,
-) -> None:
+    disk_on: bool = False,
+) -> bool:
     """Check that the ranks' layers cover the model in order and that all of them
-    cache prefixes or none does; returns once every rank has loaded its shard."""
-    mine = Header(Op.HELLO, flag=int(cache_on), value=layers.end, total=layers.total)
+    cache prefixes or none does; returns once every rank has loaded its shard,
+    whether every rank keeps a disk tier (else none uses one)."""
+    cache_bit = int(cache_on)
+    disk_bit = int(cache_on and disk_on) << 1
+    mine = Header(Op.HELLO, flag=cache_bit | disk_bit, value=layers.end, total=layers.total)
     if link.rank == 0:
         if not layers.is_first:
             raise PipelineError(f"rank 0 must start at layer 0, not {layers.start}")
@@ -90,22 +114,75 @@ def handshake(
         hello, _ = link.expect(Op.HELLO, timeout, interrupt)
         if hello.value != layers.total:
             raise PipelineError(f"the last rank ends at layer {hello.value} of {layers.total}")
-        link.send(Header(Op.START))
-        return
+        disk_everywhere = bool(hello.flag & 2)
+        link.send(Header(Op.START, flag=int(disk_everywhere)))
+        return disk_everywhere
     hello, _ = link.recv(timeout, interrupt)
-    expected = (Op.HELLO, layers.start, layers.total, int(cache_on))
-    if (hello.op, hello.value, hello.total, hello.flag) != expected:
+    expected = (Op.HELLO, layers.start, layers.total, cache_bit)
+    if (hello.op, hello.value, hello.total, hello.flag & 1) != expected:
         raise PipelineError(
             f"rank {link.rank} holds {layers} (prefix cache {'on' if cache_on else 'off'}), "
             f"but rank {link.left} sent {hello.op.name} for layer {hello.value} of "
-            f"{hello.total} (prefix cache {'on' if hello.flag else 'off'})"
+            f"{hello.total} (prefix cache {'on' if hello.flag & 1 else 'off'})"
         )
     if link.is_last and not layers.is_last:
         raise PipelineError(f"the last rank ends at layer {layers.end} of {layers.total}")
-    link.send(mine)
-    link.expect(Op.START, timeout, interrupt)
+    link.send(replace(mine, flag=cache_bit | (hello.flag & disk_bit)))  # disk: all so far
+    start, _ = link.expect(Op.START, timeout, interrupt)
     if not link.is_last:
-        link.send(Header(Op.START))
+        link.send(start)
+    return bool(start.flag)
+
+
+def agree_disk_entries(
+    link: RingLink, cache: KVPrefixCache, interrupt: Callable[[], None] = lambda: None
+) -> None:
+    """Right after the handshake, on ranks with a disk tier: every rank keeps only
+    the disk entries all of them hold (their keys intersected around the ring)."""
+    mine = cache.disk_keys()
+    if link.rank == 0:
+        link.send(*keys_message(Op.DISK_KEYS, mine))
+        _, payload = link.expect(Op.DISK_KEYS, STEP_SECONDS, interrupt)
+        agreed = keys_of(payload)
+        link.send(*keys_message(Op.DISK_AGREED, agreed))
+    else:
+        _, payload = link.expect(Op.DISK_KEYS, STEP_SECONDS, interrupt)
+        link.send(*keys_message(Op.DISK_KEYS, keys_of(payload) & mine))
+        _, payload = link.expect(Op.DISK_AGREED, STEP_SECONDS, interrupt)
+        agreed = keys_of(payload)
+        if not link.is_last:
+            link.send(*keys_message(Op.DISK_AGREED, agreed))
+    cache.retain_disk(agreed)
+
+
+class RingDiskLoad:
+    """Rank 0's `DiskLoad`: the best disk entry for a prompt comes into every rank's
+    memory only if every rank can read its share (`LOAD` gathers whether each can,
+    `LOADED` hands the verdict around); otherwise every rank removes the file and
+    the next best is tried. Followers answer in `PipelineFollower._load`."""
+
+    def __init__(self, link: RingLink) -> None:
+        self.link = link
+
+    def __call__(self, cache: KVPrefixCache, key: tuple[int, ...]) -> bool:
+        link = self.link
+        while True:  # each failed round removes a file: bounded by the files kept
+            file_key, _ = cache.disk_best(key)
+            if file_key is None:
+                return False
+            loaded = cache.read_disk(file_key)
+            header, payload = keys_message(Op.LOAD, {file_key})
+            link.send(replace(header, flag=int(loaded is not None)), payload)
+            everyone, _ = link.expect(Op.LOAD, STEP_SECONDS)
+            link.send(replace(header, op=Op.LOADED, flag=everyone.flag), payload)
+            if everyone.flag and loaded is not None:
+                return cache.adopt(*loaded) is not None
+            cache.discard_disk(file_key)
+
+
+def _never_load(cache: KVPrefixCache, key: tuple[int, ...]) -> bool:
+    """Followers load from disk only when rank 0 asks (`LOAD`)."""
+    return False
 
 
 class RingEvictionAgreement:
@@ -133,12 +210,22 @@ class RingEvictionAgreement:
 
 
 def ring_prefix_cache(
-    link: RingLink, byte_budget: int, memory_pressure: Callable[[], bool]
+    link: RingLink,
+    byte_budget: int,
+    memory_pressure: Callable[[], bool],
+    disk: DiskTier | None = None,
 ) -> KVPrefixCache | None:
-    """This rank's prefix cache (None when off), deciding evictions with the others."""
+    """This rank's prefix cache (None when off), deciding evictions and what comes
+    from disk with the others."""
     if byte_budget <= 0:
         return None
-    return KVPrefixCache(byte_budget, memory_pressure, agree=RingEvictionAgreement(link))
+    return KVPrefixCache(
+        byte_budget,
+        memory_pressure,
+        agree=RingEvictionAgreement(link),
+        disk=disk,
+        disk_load=RingDiskLoad(link) if link.rank == 0 else _never_load,
+    )
 
 
 class PipelineDriver:
@@ -211,6 +298,17 @@ class PipelineDriver:
             self.link.send(Header(Op.HEARTBEAT))
             self.link.expect(Op.HEARTBEAT, IDLE_SILENCE_SECONDS)
 
+    def persist_idle(self, cache: KVPrefixCache) -> bool:
+        """Write the newest entry not on disk yet on every rank (`PERSIST`, acked
+        once every rank wrote its share); False when there is none."""
+        entry_id = cache.next_unsaved()
+        if entry_id is None:
+            return False
+        self.link.send(*ids_message(Op.PERSIST, [entry_id]))
+        cache.persist_entry(entry_id)
+        self.link.expect(Op.PERSIST, STEP_SECONDS)
+        return True
+
     def shutdown(self) -> None:
         """Stop every rank; returns once the last one has it (bounded)."""
         if self.link.broken:
@@ -253,6 +351,7 @@ class PipelineFollower:
         interrupt: Callable[[], None] = lambda: None,
         on_task_start: Callable[[], None] = lambda: None,
         on_task_end: Callable[[], None] = lambda: None,
+        on_persisted: Callable[[], None] = lambda: None,
     ) -> None:
         """Process messages until `SHUTDOWN`. `interrupt` is called while waiting
         and may raise to stop (the runner's stdin asked it to)."""
@@ -273,6 +372,15 @@ class PipelineFollower:
                 on_task_start()
             elif header.op == Op.FORWARD and payload is not None and self._task:
                 self._forward(header, payload, self._task)
+            elif header.op == Op.LOAD and self._task is None and self.prefix_cache is not None:
+                self._load(header, payload, self.prefix_cache)
+            elif header.op == Op.PERSIST and self._task is None and self.prefix_cache is not None:
+                for entry_id in ids_of(payload):
+                    self.prefix_cache.persist_entry(entry_id)
+                # Onwards once written (from the last rank, the ack): rank 0 sends
+                # nothing more, heartbeats included, until every rank has written.
+                self.link.send(header, payload)
+                on_persisted()
             elif header.op == Op.STORE and self._task and self.prefix_cache is not None:
                 if not self.link.is_last:
                     self.link.send(header, payload)
@@ -281,6 +389,20 @@ class PipelineFollower:
                 self.prefix_cache.store(sequence, task.layers)
             else:
                 raise PipelineError(f"unexpected {header.op.name} from rank {self.link.left}")
+
+    def _load(self, header: Header, payload: mx.array | None, cache: KVPrefixCache) -> None:
+        """Answer rank 0's `LOAD` (see `RingDiskLoad`): pass on whether every rank so
+        far, this one included, can read its share; then do what `LOADED` says."""
+        (file_key,) = keys_of(payload)
+        loaded = cache.read_disk(file_key) if header.flag else None
+        self.link.send(replace(header, flag=int(loaded is not None)), payload)
+        verdict, verdict_payload = self.link.expect(Op.LOADED, STEP_SECONDS)
+        if not self.link.is_last:
+            self.link.send(verdict, verdict_payload)
+        if verdict.flag and loaded is not None:
+            cache.adopt(*loaded)
+        else:
+            cache.discard_disk(file_key)
 
     def _start(self, task: PipelineTask) -> None:
         match, layers = resume(self.prefix_cache, task.tokens, self.shard.make_cache)

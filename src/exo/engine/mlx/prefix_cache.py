@@ -6,7 +6,9 @@ that has the same tokens up to the chunk's end (`kv_chunks.py`), plus its own
 tail and, for layers that cannot be cut back (sliding window, SSM state), a
 checkpoint of their state at the entry's end. *What goes first*: least recently
 used entries (`choose_evictions`), bounded by a byte budget and memory pressure;
-an evicted entry goes to the disk tier when there is one.
+an evicted entry goes to the disk tier when there is one. A lookup that finds a
+longer prefix on disk brings it into memory first (`DiskLoad`: by itself, or, on
+pipeline ranks, agreed with the others).
 
 Updates: an entry is replaced only by a sequence that extends it (the new
 sequence starts with all of its tokens); a sequence that diverges inside an
@@ -53,6 +55,10 @@ EvictionAgreement = Callable[[list[int]], list[int]]
 """Entries this cache would evict -> entries every rank evicts (the union). Pipeline
 ranks each cache their own layers of the same entries (same ids, same LRU order);
 agreeing keeps one rank from holding an entry another dropped."""
+
+DiskLoad = Callable[["KVPrefixCache", tuple[int, ...]], bool]
+"""(cache, prompt) -> whether the best disk entry for the prompt was brought into
+memory. Pipeline ranks load an entry only when all of them can (`pipeline.py`)."""
 
 # Misses kept for the stats; sequences of evicted entries remembered to explain misses.
 RECENT_MISSES = 20
@@ -188,12 +194,15 @@ class KVPrefixCache:
         disk: DiskTier | None = None,
         decode: Decode | None = None,
         chunk_tokens: int = CHUNK_TOKENS,
+        disk_load: DiskLoad | None = None,
     ) -> None:
         self.byte_budget = byte_budget
         self.chunk_tokens = chunk_tokens
         self._memory_pressure = memory_pressure
         self._agree = agree
         self._disk = disk
+        self._disk_load: DiskLoad = disk_load or KVPrefixCache._load_from_disk
+        self._from_disk: set[int] = set()  # entries loaded from disk since the last lookup
         self._decode = decode
         self._entries: dict[int, CacheEntry] = {}
         self._chunks = ChunkStore()
@@ -226,11 +235,10 @@ class KVPrefixCache:
         key = tuple(tokens)
         self.last_active = time.monotonic()
         best_id, best = self._best(key)
-        from_disk = False
-        if self._disk is not None and self._disk.best(key)[1] > best:
-            from_disk = self._load_from_disk(key)
-            if from_disk:
-                best_id, best = self._best(key)
+        if self._disk is not None and self._disk.best(key)[1] > best and self._disk_load(self, key):
+            best_id, best = self._best(key)
+        from_disk = best_id in self._from_disk
+        self._from_disk.clear()
         self._stats.lookups += 1
         self._explain(key, best)
         if best_id is None:
@@ -268,15 +276,58 @@ class KVPrefixCache:
             )
 
     def _load_from_disk(self, key: tuple[int, ...]) -> bool:
-        assert self._disk is not None
         while True:
-            file_id, usable = self._disk.best(key)
-            if file_id is None or usable == 0:
+            file_key, _ = self.disk_best(key)
+            if file_key is None:
                 return False
-            loaded = self._disk.load(file_id)
+            loaded = self.read_disk(file_key)
             if loaded is not None:
-                tokens, layers = loaded
-                return self.store(tokens, layers) is not None
+                return self.adopt(*loaded) is not None
+
+    @property
+    def has_disk(self) -> bool:
+        return self._disk is not None
+
+    def detach_disk(self) -> None:
+        """Stop using the disk tier (its files stay): a pipeline rank whose peers
+        keep none."""
+        self._disk = None
+
+    def disk_best(self, key: tuple[int, ...]) -> tuple[str | None, int]:
+        """The key of the disk entry that serves the most of `key`, and how much."""
+        if self._disk is None:
+            return None, 0
+        file_id, usable = self._disk.best(key)
+        if file_id is None or usable == 0:
+            return None, 0
+        return self._disk.key(file_id), usable
+
+    def read_disk(self, file_key: str) -> tuple[tuple[int, ...], list[LayerCache]] | None:
+        """The tokens and layers of the disk entry `file_key`; None when it is not
+        on disk or unreadable (then removed)."""
+        file_id = self._disk.find(file_key) if self._disk is not None else None
+        if self._disk is None or file_id is None:
+            return None
+        return self._disk.load(file_id)
+
+    def adopt(self, tokens: tuple[int, ...], layers: list[LayerCache]) -> int | None:
+        """Store an entry read from disk; the lookup that uses it counts a disk hit."""
+        entry_id = self.store(tokens, layers)
+        if entry_id is not None:
+            self._from_disk.add(entry_id)
+        return entry_id
+
+    def disk_keys(self) -> set[str]:
+        return self._disk.keys() if self._disk is not None else set()
+
+    def retain_disk(self, keys: set[str]) -> None:
+        """Remove every disk entry but `keys`."""
+        if self._disk is not None:
+            self._disk.retain(keys)
+
+    def discard_disk(self, file_key: str) -> None:
+        if self._disk is not None:
+            self._disk.discard(file_key)
 
     def restore(self, match: PrefixMatch) -> list[LayerCache] | None:
         """Fresh cache objects holding the first `match.usable` tokens, or None on a miss."""
@@ -425,6 +476,19 @@ class KVPrefixCache:
         for entry_id in newest[:max_entries]:
             self._save(entry_id)
         return len(newest[:max_entries])
+
+    def next_unsaved(self) -> int | None:
+        """The most recently used entry not on disk yet (None: all are, or no disk)."""
+        if self._disk is None or not self._unsaved:
+            return None
+        return max(self._unsaved, key=lambda i: self._entries[i].last_used)
+
+    def persist_entry(self, entry_id: int) -> bool:
+        """Write one entry to disk unless it is there already (or gone)."""
+        if self._disk is None or entry_id not in self._unsaved:
+            return False
+        self._save(entry_id)
+        return True
 
     def entry_ids(self) -> list[int]:
         return sorted(self._entries)

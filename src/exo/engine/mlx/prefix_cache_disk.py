@@ -6,6 +6,10 @@ the model's files, tokenizer, chat template and this runner's layers. A file is
 served only when its metadata names the same namespace and format; a foreign,
 stale or unreadable file is removed, never loaded. Least recently used files go
 first when the folder outgrows its byte budget.
+
+A file is named by its entry's key (`entry_key`, a digest of its token ids), the
+same on every pipeline rank: each rank keeps its own layers' share of an entry
+under its own namespace, and the ranks agree on entries by their keys.
 """
 
 import hashlib
@@ -63,6 +67,15 @@ def _read_metadata(path: Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in metadata.items()}
 
 
+def entry_key(tokens: tuple[int, ...]) -> str:
+    """The name of the file that holds the KV of `tokens` (32 hex digits)."""
+    return hashlib.blake2b(json.dumps(tokens).encode(), digest_size=16).hexdigest()
+
+
+def _file_id(key: str) -> int:
+    return int.from_bytes(bytes.fromhex(key)[:8], "little")
+
+
 @dataclass
 class DiskEntry:
     path: Path
@@ -111,7 +124,7 @@ class DiskTier:
         self._enforce_budget()
 
     def _add(self, path: Path, tokens: tuple[int, ...], trimmable: bool) -> None:
-        file_id = int.from_bytes(bytes.fromhex(path.stem)[:8], "little")
+        file_id = _file_id(path.stem)
         if file_id in self._entries:
             self._trie.remove(file_id, self._entries[file_id].tokens)
         self._entries[file_id] = DiskEntry(
@@ -138,6 +151,31 @@ class DiskTier:
             recency=lambda i: self._entries[i].last_used,
         )
 
+    def key(self, file_id: int) -> str:
+        return self._entries[file_id].path.stem
+
+    def keys(self) -> set[str]:
+        """The keys of every file kept (`entry_key` of their tokens)."""
+        return {entry.path.stem for entry in self._entries.values()}
+
+    def find(self, key: str) -> int | None:
+        """The file named `key`, if kept."""
+        file_id = _file_id(key)
+        entry = self._entries.get(file_id)
+        return file_id if entry is not None and entry.path.stem == key else None
+
+    def discard(self, key: str) -> None:
+        """Remove the file named `key`, if kept."""
+        file_id = self.find(key)
+        if file_id is not None:
+            self._remove(file_id)
+
+    def retain(self, keys: set[str]) -> None:
+        """Remove every file whose key is not in `keys`."""
+        for file_id in [i for i, e in self._entries.items() if e.path.stem not in keys]:
+            logger.info(f"prefix cache: removing {self.key(file_id)} from disk: not on every rank")
+            self._remove(file_id)
+
     def load(self, file_id: int) -> tuple[tuple[int, ...], list[LayerCache]] | None:
         """The entry's tokens and layers; None (and the file removed) if unreadable."""
         entry = self._entries[file_id]
@@ -155,8 +193,7 @@ class DiskTier:
     def save(self, tokens: tuple[int, ...], layers: list[LayerCache], trimmable: bool) -> None:
         if self.byte_budget <= 0 or tokens in self:
             return
-        digest = hashlib.blake2b(json.dumps(tokens).encode(), digest_size=16).hexdigest()
-        path = self.directory / f"{digest}.safetensors"
+        path = self.directory / f"{entry_key(tokens)}.safetensors"
         partial = self._partial / path.name
         metadata = {
             "format": FORMAT,

@@ -3,8 +3,9 @@
 Rank r receives from rank r-1 and sends to rank r+1 over an `mx.distributed`
 ring group; the last rank sends to rank 0. A message is a small int32 `Header`,
 then an optional payload whose shape and dtype the header gives: hidden states
-(1, tokens, hidden), ids (tokens or cache entries), a task as JSON bytes, or a
-sampled token's log-probabilities (int32, the floats' bits: exact).
+(1, tokens, hidden), ids (tokens or cache entries), a task as JSON bytes, disk
+entry keys (16 bytes each), or a sampled token's log-probabilities (int32, the
+floats' bits: exact).
 Which messages go when is the pipeline's protocol (`pipeline.py`).
 
 Waiting: MLX's ring `recv` busy-polls its socket (on 2 cores a waiting rank
@@ -19,10 +20,11 @@ send/recv (after ten failed socket calls, within milliseconds). A rank that
 sees this, or hears nothing within a bound, raises `PeerLost`.
 """
 
+import hashlib
 import json
 import os
 import select
-import threading
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, replace
@@ -41,6 +43,14 @@ from exo.shared.types.tasks import GenerationParams, TokenAlternative
 
 # Joining waits for every rank's process to start.
 JOIN_SECONDS = 120.0
+# Before MLX's ring forms the ranks meet on their own ring ports (`_meet`): a rank
+# tries its right neighbour's port this often until that rank's process is there.
+_MEET_RETRY_SECONDS = 0.05
+# The last rank calls `mx.distributed.init` this long after the go reached it, so
+# that rank 0, which called init as it sent the go, is listening by then.
+_LAST_RANK_DELAY_SECONDS = 0.1
+_MEET_MAGIC = b"exo-ring"
+_GO = b"g"
 # Between two `poll()` slices a waiting rank checks whether it was asked to stop.
 _POLL_SLICE_SECONDS = 0.25
 
@@ -70,6 +80,11 @@ class Op(IntEnum):
     EVICTED = 9
     END = 10
     SHUTDOWN = 11
+    DISK_KEYS = 12
+    DISK_AGREED = 13
+    LOAD = 14
+    LOADED = 15
+    PERSIST = 16
 
 
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int32, mx.uint8)
@@ -81,7 +96,10 @@ class Header:
     count: int = 0  # payload rows: tokens, bytes or entry ids (0: no payload)
     width: int = 0  # payload row width, the hidden size (0: a flat payload)
     dtype: int = 0  # payload dtype, an index into _DTYPES
-    flag: int = 0  # FORWARD: the last rank samples; HELLO: a prefix cache is on
+    # FORWARD: the last rank samples; HELLO: a prefix cache is on (1), with a disk
+    # tier on every rank so far (2); START: a disk tier on every rank; LOAD/LOADED:
+    # every rank so far can read the entry / all of them can
+    flag: int = 0
     value: int = 0  # TOKEN: the token id; HELLO: the layer the next rank starts at
     total: int = 0  # HELLO: the model's layer count
 
@@ -109,6 +127,27 @@ def ids_message(op: Op, ids: list[int]) -> Message:
 
 def ids_of(payload: mx.array | None) -> list[int]:
     return [] if payload is None else [int(i) for i in cast(list[int], payload.tolist())]
+
+
+_KEY_BYTES = 16
+
+
+def keys_message(op: Op, keys: set[str]) -> Message:
+    """Disk entry keys (`prefix_cache_disk.entry_key`: 32 hex digits) as bytes."""
+    if not keys:
+        return Header(op), None
+    raw = b"".join(bytes.fromhex(key) for key in sorted(keys))
+    payload = mx.array(np.frombuffer(raw, dtype=np.uint8))
+    return Header.for_payload(op, payload), payload
+
+
+def keys_of(payload: mx.array | None) -> set[str]:
+    if payload is None:
+        return set()
+    raw = np.array(payload, dtype=np.uint8).tobytes()
+    if len(raw) % _KEY_BYTES:
+        raise PipelineError(f"a key list of {len(raw)} bytes")
+    return {raw[i : i + _KEY_BYTES].hex() for i in range(0, len(raw), _KEY_BYTES)}
 
 
 def token_message(sampled: SampledToken) -> Message:
@@ -248,38 +287,131 @@ def _left_socket_fd(own_address: str, right_address: str) -> int | None:
     return None
 
 
-def join_ring(timeout: float = JOIN_SECONDS) -> RingLink:
-    """Join the ring group named by `MLX_HOSTFILE` and `MLX_RANK` (MLX reads them).
+def _socket_address(address: str) -> tuple[socket.AddressFamily, tuple[str, int]]:
+    host, port = address.rsplit(":", 1)
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        host.strip("[]"), int(port), type=socket.SOCK_STREAM
+    )[0]
+    return family, (str(sockaddr[0]), int(sockaddr[1]))
 
-    MLX's connecting side gives up after ~30 s and its accepting side waits
-    forever, so the join runs in a thread that retries, and gives up at `timeout`."""
+
+def _wait_for(sock: socket.socket, deadline: float, interrupt: Callable[[], None]) -> None:
+    """Until `sock` is readable (or acceptable); `TimeoutError` at `deadline`."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("nobody came")
+        if select.select([sock], [], [], min(left, _POLL_SLICE_SECONDS))[0]:
+            return
+        interrupt()
+
+
+def _recv_exactly(
+    sock: socket.socket, size: int, deadline: float, interrupt: Callable[[], None]
+) -> bytes:
+    data = b""
+    while len(data) < size:
+        _wait_for(sock, deadline, interrupt)
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        data += chunk
+    return data
+
+
+def _connect(address: str, deadline: float, interrupt: Callable[[], None]) -> socket.socket:
+    """A connection to `address`, tried again every `_MEET_RETRY_SECONDS` until its
+    rank listens there."""
+    family, target = _socket_address(address)
+    while True:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(0.1, min(5.0, deadline - time.monotonic())))
+            sock.connect(target)
+            sock.settimeout(None)
+            return sock
+        except OSError:
+            sock.close()
+            if time.monotonic() + _MEET_RETRY_SECONDS >= deadline:
+                raise
+        interrupt()
+        time.sleep(_MEET_RETRY_SECONDS)
+
+
+def _meet(addresses: list[str], rank: int, deadline: float, interrupt: Callable[[], None]) -> None:
+    """Return when this rank may call `mx.distributed.init`, once every rank is there.
+
+    MLX's ring forms by rank 0 accepting from the last rank and then connecting to
+    rank 1, and so on around; the last rank connects first. Where its peer does not
+    listen yet, MLX's connecting side backs off 1, 2, 4, 8 and 16 s (seconds lost
+    whenever ranks start a little apart), and its accepting side waits forever
+    holding the GIL. So first each rank listens on its own ring port, connects to
+    its right neighbour's (retrying quickly) and accepts its left neighbour: every
+    rank is there. Then a go travels around from rank 0; each rank passes it on and
+    calls init at once (listening for its left neighbour); the last rank waits
+    `_LAST_RANK_DELAY_SECONDS` more and connects to rank 0, which listens by then."""
+    size = len(addresses)
+    token = _MEET_MAGIC + hashlib.sha256(json.dumps(addresses).encode()).digest()[:8]
+    family, own = _socket_address(addresses[rank])
+    sockets: list[socket.socket] = []
+    try:
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        sockets.append(listener)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        while True:
+            try:
+                listener.bind(own)
+                break
+            except OSError:  # a stopped runner's socket may hold the port a moment longer
+                if time.monotonic() + _MEET_RETRY_SECONDS >= deadline:
+                    raise
+                interrupt()
+                time.sleep(_MEET_RETRY_SECONDS)
+        listener.listen(size)
+        right = _connect(addresses[(rank + 1) % size], deadline, interrupt)
+        sockets.append(right)
+        right.sendall(token + bytes([rank]))
+        while True:  # anything but the left neighbour's hello is ignored
+            _wait_for(listener, deadline, interrupt)
+            left, _ = listener.accept()
+            sockets.append(left)
+            hello = _recv_exactly(left, len(token) + 1, deadline, interrupt)
+            if hello == token + bytes([(rank - 1) % size]):
+                break
+            left.close()
+        listener.close()  # MLX listens on this port next
+        if rank > 0 and _recv_exactly(left, len(_GO), deadline, interrupt) != _GO:
+            raise ConnectionError("an unexpected message")
+        if rank < size - 1:
+            right.sendall(_GO)
+        else:
+            time.sleep(_LAST_RANK_DELAY_SECONDS)
+    except (OSError, TimeoutError) as error:
+        raise PeerLost(f"the pipeline's ranks did not all come ({error})") from error
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def join_ring(
+    timeout: float = JOIN_SECONDS, interrupt: Callable[[], None] = lambda: None
+) -> RingLink:
+    """Join the ring group named by `MLX_HOSTFILE` and `MLX_RANK` (MLX reads them),
+    once every rank is there (`_meet`), giving up at `timeout`; `interrupt` is
+    called while waiting."""
     hostfile, rank = Path(os.environ["MLX_HOSTFILE"]), int(os.environ["MLX_RANK"])
     addresses: list[list[str]] = json.loads(hostfile.read_text())
     if len(addresses) < 2 or not 0 <= rank < len(addresses):
         raise PipelineError(f"rank {rank} of a {len(addresses)}-rank hostfile: not a pipeline")
-    if len(addresses[rank]) != 1:
+    if any(len(address) != 1 for address in addresses):
         raise PipelineError("each rank must have exactly one address in the hostfile")
-    deadline = time.monotonic() + timeout
-    joined: list[mx.distributed.Group] = []
-    errors: list[Exception] = []
-
-    def attempt() -> None:
-        while not joined and time.monotonic() < deadline:
-            try:
-                joined.append(mx.distributed.init(strict=True, backend="ring"))
-            except RuntimeError as error:
-                errors[:] = [error]
-                logger.debug(f"joining the ring: {error}; retrying")
-                time.sleep(1.0)
-
-    thread = threading.Thread(target=attempt, name="ring-join", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if not joined:
-        reason = f": {errors[-1]}" if errors else ""
-        raise PeerLost(f"could not join the pipeline group within {timeout:.0f}s{reason}")
-    group = joined[0]
-    left_fd = _left_socket_fd(addresses[rank][0], addresses[(rank + 1) % len(addresses)][0])
+    ring = [address[0] for address in addresses]
+    _meet(ring, rank, time.monotonic() + timeout, interrupt)
+    try:
+        group = mx.distributed.init(strict=True, backend="ring")
+    except RuntimeError as error:
+        raise PeerLost(f"could not join the pipeline group: {error}") from error
+    left_fd = _left_socket_fd(ring[rank], ring[(rank + 1) % len(ring)])
     if left_fd is None:
         logger.warning("ring socket not found: waits rely on MLX alone (busy, unbounded)")
     return RingLink(group, left_fd)

@@ -8,7 +8,9 @@ original stdout; everything else printed goes to stderr.
 Pipeline ranks: with `MLX_HOSTFILE` (a JSON list, per rank, of one "ip:port")
 and `MLX_RANK` in the environment and `--start-layer S --end-layer E
 --total-layers N`, the runner is one rank of an `mx.distributed` ring group
-holding layers [S, E) of the model's N.
+holding layers [S, E) of the model's N. With `--prefix-cache-dir`, each rank
+keeps its layers' share of the cache's disk tier (agreed with the others: see
+`pipeline.py`).
 Rank 0 takes `Generate`/`Cancel` and reports task messages; every rank reports
 its status and cache stats, and obeys `Shutdown` and the end of stdin. Without
 them the runner holds the whole model, alone.
@@ -50,7 +52,8 @@ from exo.worker.runner.protocol import (
 )
 
 if TYPE_CHECKING:
-    from exo.engine.mlx.generate import TextGenerator
+    from exo.engine.mlx.batch import ContinuousBatcher
+    from exo.engine.mlx.generate import GenerationOutput, TextGenerator
     from exo.engine.mlx.prefix_cache import KVPrefixCache
 
 # Below this share of free RAM the prefix cache evicts regardless of its budget.
@@ -100,7 +103,7 @@ class Runner:
         self._inbox = inbox
         self._pending: deque[Generate] = deque()
         self._cancelled: set[str] = set()
-        self._current: str | None = None
+        self._active: set[str] = set()  # tasks taken and not ended
         self.pipelined = False
 
     def send(self, message: FromRunner) -> None:
@@ -121,7 +124,7 @@ class Runner:
         if message is None or isinstance(message, Shutdown):
             return False
         if isinstance(message, Cancel):
-            known = {task.task_id for task in self._pending} | {self._current}
+            known = {task.task_id for task in self._pending} | self._active
             if message.task_id in known:
                 self._cancelled.add(message.task_id)
         else:
@@ -176,12 +179,13 @@ class Runner:
             self._serve_whole_model(model_dir, prefix_cache_bytes, disk)
         else:
             self.pipelined = True
-            self._serve_rank(model_dir, prefix_cache_bytes, layers)
+            self._serve_rank(model_dir, prefix_cache_bytes, layers, disk)
 
     def _serve_whole_model(
         self, model_dir: Path, prefix_cache_bytes: int, disk: tuple[Path, int] | None
     ) -> None:
         # Imported here so a broken MLX install is reported as a failed runner.
+        from exo.engine.mlx.batch import ContinuousBatcher, can_batch
         from exo.engine.mlx.generate import LocalModel, TextGenerator
         from exo.engine.mlx.load import load_for_inference
         from exo.engine.mlx.prefix_cache import KVPrefixCache
@@ -199,10 +203,13 @@ class Runner:
             else None
         )
         self._ready(cache)
-        self._run_tasks(
-            TextGenerator(LocalModel(model, tokenizer), tokenizer, cache),
-            lambda: self._persist_while_idle(cache),
-        )
+        local = LocalModel(model, tokenizer)
+        generator = TextGenerator(local, tokenizer, cache)
+        if can_batch(local.make_cache()):
+            self._run_batched(ContinuousBatcher(generator), lambda: self._persist_while_idle(cache))
+        else:
+            logger.info("this model's caches do not batch: requests are served one at a time")
+            self._run_tasks(generator, lambda: self._persist_while_idle(cache))
         if cache is not None:
             cache.persist()
 
@@ -214,7 +221,13 @@ class Runner:
         if cache.persist(max_entries=1):
             self.send(CacheStatsReport(stats=cache.stats()))
 
-    def _serve_rank(self, model_dir: Path, prefix_cache_bytes: int, layers: LayerRange) -> None:
+    def _serve_rank(
+        self,
+        model_dir: Path,
+        prefix_cache_bytes: int,
+        layers: LayerRange,
+        disk: tuple[Path, int] | None = None,
+    ) -> None:
         import mlx.core as mx
 
         from exo.engine.mlx.generate import TextGenerator
@@ -222,9 +235,11 @@ class Runner:
         from exo.engine.mlx.pipeline import (
             PipelineDriver,
             PipelineFollower,
+            agree_disk_entries,
             handshake,
             ring_prefix_cache,
         )
+        from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
         from exo.engine.mlx.ring import PeerLost, join_ring
         from exo.engine.mlx.shard import load_shard
 
@@ -241,34 +256,73 @@ class Runner:
             f"loaded {layers} ({parameter_bytes(shard) / 1e6:.0f} MB, peak "
             f"{mx.get_peak_memory() / 1e6:.0f} MB) in {time.monotonic() - joined:.1f}s"
         )
-        cache = ring_prefix_cache(link, prefix_cache_bytes, _memory_pressure)
+        # This rank's share of each entry on disk, in a folder named by its layers.
+        tier = (
+            DiskTier(disk[0], cache_namespace(model_dir, layers), disk[1])
+            if disk and prefix_cache_bytes > 0
+            else None
+        )
+        cache = ring_prefix_cache(link, prefix_cache_bytes, _memory_pressure, tier)
         # Everything slow comes before the handshake: after it, rank 0's heartbeats
         # must start within the followers' idle bound. Rank 0 detokenizes, the last
         # rank samples (constraints need the tokenizer).
         needs_tokenizer = link.rank == 0 or link.is_last
         tokenizer = load_model_tokenizer(model_dir) if needs_tokenizer else None
         stop_if_asked = self._stop_if_asked if link.rank == 0 else self._follow
-        handshake(link, layers, cache is not None, interrupt=stop_if_asked)
+        disk_on = handshake(
+            link, layers, cache is not None, interrupt=stop_if_asked, disk_on=tier is not None
+        )
+        if cache is not None and disk_on:
+            agree_disk_entries(link, cache, stop_if_asked)
+        elif cache is not None and tier is not None:
+            logger.warning("prefix cache: another pipeline rank keeps no disk tier: none is used")
+            cache.detach_disk()
         if link.rank != 0:
             self._ready(cache)
-            PipelineFollower(link, shard, cache, tokenizer).serve(
-                interrupt=self._follow,
-                on_task_start=lambda: self.send(StatusChanged(status="running")),
-                on_task_end=lambda: self._ready(cache),
-            )
+            try:
+                PipelineFollower(link, shard, cache, tokenizer).serve(
+                    interrupt=self._follow,
+                    on_task_start=lambda: self.send(StatusChanged(status="running")),
+                    on_task_end=lambda: self._ready(cache),
+                    on_persisted=lambda: self._report_cache(cache),
+                )
+            except SystemExit:  # stopped through stdin: a clean stop too
+                if cache is not None:
+                    cache.persist()
+                raise
+            # A clean stop writes what is not on disk yet (the next start's key
+            # agreement drops what another rank did not write).
+            if cache is not None:
+                cache.persist()
             return
         assert tokenizer is not None
         driver = PipelineDriver(link, shard)
+
+        def keep_alive() -> None:
+            """Heartbeats; once requests pause, one entry to disk per idle poll, on
+            every rank (rank 0 names it)."""
+            driver.keep_alive()
+            if cache is None or time.monotonic() - cache.last_active < PERSIST_AFTER_IDLE_SECONDS:
+                return
+            if driver.persist_idle(cache):
+                self._report_cache(cache)
+
         self._ready(cache)
         with contextlib.suppress(SystemExit):
-            self._run_tasks(TextGenerator(driver, tokenizer, cache), driver.keep_alive)
+            self._run_tasks(TextGenerator(driver, tokenizer, cache), keep_alive)
         with contextlib.suppress(PeerLost):  # a rank stopped along with us may be gone already
             driver.shutdown()
+        if cache is not None:
+            cache.persist()
+
+    def _report_cache(self, cache: "KVPrefixCache | None") -> None:
+        if cache is not None:
+            self.send(CacheStatsReport(stats=cache.stats()))
 
     def _run_tasks(self, generator: "TextGenerator", keep_alive: Callable[[], None]) -> None:
         """Take tasks in order until shutdown; `keep_alive` runs while idle."""
         from exo.engine.constraint_grammar import ConstraintError
-        from exo.engine.mlx.generate import GenerationCancelled, TextDelta
+        from exo.engine.mlx.generate import GenerationCancelled
         from exo.engine.mlx.ring import PipelineFailure
 
         cache = generator.prefix_cache
@@ -287,7 +341,7 @@ class Runner:
                 self._cancelled.discard(task.task_id)
                 continue
             self.send(StatusChanged(status="running"))
-            self._current = task.task_id
+            self._active.add(task.task_id)
             try:
                 outputs = generator.generate(
                     task.tokens,
@@ -299,22 +353,7 @@ class Runner:
                     ),
                 )
                 for output in outputs:
-                    if isinstance(output, TextDelta):
-                        logprobs = (
-                            SampledLogprobs(tokens=output.logprobs)
-                            if task.params.logprobs
-                            else None
-                        )
-                        self.send(Chunk(task_id=task.task_id, text=output.text, logprobs=logprobs))
-                    else:
-                        self.send(
-                            Finished(
-                                task_id=task.task_id,
-                                finish_reason=output.finish_reason,
-                                usage=output.usage,
-                                stop_sequence=output.stop_sequence,
-                            )
-                        )
+                    self._send_output(task, output)
             except GenerationCancelled:
                 self.send(TaskFailed(task_id=task.task_id, error="cancelled"))
             except ConstraintError as error:  # the request's fault: no traceback
@@ -330,11 +369,99 @@ class Runner:
                     TaskFailed(task_id=task.task_id, error=f"{type(error).__name__}: {error}")
                 )
             finally:
-                self._current = None
+                self._active.discard(task.task_id)
                 self._cancelled.discard(task.task_id)
             self.send(StatusChanged(status="ready"))
-            if cache is not None:
-                self.send(CacheStatsReport(stats=cache.stats()))
+            self._report_cache(cache)
+
+    def _run_batched(self, batcher: "ContinuousBatcher", keep_alive: Callable[[], None]) -> None:
+        """Take tasks as they come and serve them together until shutdown;
+        `keep_alive` runs while idle."""
+        from exo.engine.constraint_grammar import ConstraintError
+        from exo.engine.mlx.batch import GenerationFailed, PromptProgress
+        from exo.engine.mlx.generate import GenerationDone
+
+        tasks: dict[str, Generate] = {}
+
+        def end(task: Generate, error: str | None = None) -> None:
+            """A task is over: failed with `error`, or finished (its messages are out)."""
+            tasks.pop(task.task_id, None)
+            self._active.discard(task.task_id)
+            self._cancelled.discard(task.task_id)
+            if error is not None:
+                self.send(TaskFailed(task_id=task.task_id, error=error))
+            if not tasks:
+                self.send(StatusChanged(status="ready"))
+            self._report_cache(batcher.prefix_cache)
+
+        while True:
+            if batcher.idle and not self._pending:
+                keep_alive()
+                try:
+                    message = self._inbox.get(timeout=IDLE_POLL_SECONDS)
+                except queue.Empty:
+                    continue
+                if not self._accept(message):
+                    return
+                continue
+            if not self._drain_inbox():
+                return
+            for task_id in self._cancelled & set(tasks):
+                batcher.cancel(task_id)
+                end(tasks[task_id], "cancelled")
+            while self._pending and len(tasks) < batcher.max_batch:
+                task = self._pending.popleft()
+                if task.task_id in self._cancelled:
+                    self._cancelled.discard(task.task_id)
+                    continue
+                if not tasks:
+                    self.send(StatusChanged(status="running"))
+                tasks[task.task_id] = task
+                self._active.add(task.task_id)
+                try:
+                    progress = batcher.add(
+                        task.task_id, task.tokens, task.params, task.system_prompt_length
+                    )
+                except ConstraintError as error:  # the request's fault: no traceback
+                    end(task, f"invalid constraint: {error}")
+                    continue
+                except Exception as error:  # a bad request must not kill the runner
+                    logger.exception(f"task {task.task_id} failed")
+                    end(task, f"{type(error).__name__}: {error}")
+                    continue
+                self.send(
+                    PrefillProgress(task_id=task.task_id, done=progress.done, total=progress.total)
+                )
+            for task_id, output in batcher.step():
+                task = tasks[task_id]
+                if isinstance(output, PromptProgress):
+                    self.send(
+                        PrefillProgress(task_id=task.task_id, done=output.done, total=output.total)
+                    )
+                elif isinstance(output, GenerationFailed):
+                    error = output.error
+                    logger.opt(exception=error).error(f"task {task_id} failed")
+                    end(task, f"{type(error).__name__}: {error}")
+                else:
+                    self._send_output(task, output)
+                    if isinstance(output, GenerationDone):
+                        end(task)
+
+    def _send_output(self, task: Generate, output: "GenerationOutput") -> None:
+        from exo.engine.mlx.generate import TextDelta
+
+        if isinstance(output, TextDelta):
+            logprobs = SampledLogprobs(tokens=output.logprobs) if task.params.logprobs else None
+            self.send(Chunk(task_id=task.task_id, text=output.text, logprobs=logprobs))
+        else:
+            self.send(
+                Finished(
+                    task_id=task.task_id,
+                    finish_reason=output.finish_reason,
+                    usage=output.usage,
+                    stop_sequence=output.stop_sequence,
+                )
+            )
 
 
 def _read_stdin(inbox: "queue.Queue[ToRunner | None]") -> None:

@@ -37,6 +37,7 @@ from exo.worker.runner.protocol import (
     from_runner_adapter,
 )
 from exo.worker.runner.runner_main import runner_command
+from exo.worker.runner.standby import assignment
 
 RESTART_BACKOFF_SECONDS = (1.0, 2.0, 5.0, 10.0, 30.0)
 SHUTDOWN_GRACE_SECONDS = 5.0
@@ -65,7 +66,10 @@ class RunnerSupervisor:
         cache_dir: Path,
         on_status: Callable[[RunnerStatus, str | None], None] = lambda status, error: None,
         prefix_cache_disk_bytes: int = 0,
+        standby: Callable[[], Process | None] = lambda: None,
     ) -> None:
+        """`standby`: hands over a runner process started ahead (`standby.py`), or
+        None: one is started then."""
         self.instance = instance
         self.rank = rank
         self.model_id = instance.model_id
@@ -87,6 +91,7 @@ class RunnerSupervisor:
         self.cache_stats: CacheStats | None = None
         self.restarts = 0
         self._on_status = on_status
+        self._standby = standby
         self._process: Process | None = None
         self._write_lock = anyio.Lock()
         self._tasks: dict[TaskId, MemoryObjectSendStream[TaskMessage]] = {}
@@ -128,15 +133,18 @@ class RunnerSupervisor:
         )
         reached_ready = False
         try:
-            env = runner_environment(self.cache_dir)
+            ring_env: dict[str, str] = {}
             if self.layers is not None:
                 self.cache_dir.mkdir(parents=True, exist_ok=True)
                 hostfile = self.cache_dir / f"ring-{self.instance.instance_id}.json"
                 # "ip:port" per rank, for mx.distributed's ring backend
                 hosts = [[host] for host in self.instance.ring_hosts]
                 hostfile.write_text(json.dumps(hosts))
-                env |= {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(self.rank)}
-            process = await anyio.open_process(command, env=env, stderr=None)
+                ring_env = {"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(self.rank)}
+            process = await self._assign_standby(command, ring_env)
+            if process is None:
+                env = runner_environment(self.cache_dir) | ring_env
+                process = await anyio.open_process(command, env=env, stderr=None)
         except OSError as error:  # the runner's failure, never the node's
             self._set_status("failed", f"cannot start the runner: {error}")
             self._fail_all(f"runner failed: {error}")
@@ -170,6 +178,25 @@ class RunnerSupervisor:
                 self._fail_all(f"runner failed: {reason}")
             self._exited.set()
         return reached_ready
+
+    async def _assign_standby(self, command: list[str], env: dict[str, str]) -> Process | None:
+        """The standby process made this runner, or None when there is none (or it
+        died meanwhile)."""
+        process = self._standby()
+        if process is None:
+            return None
+        try:
+            assert process.stdin is not None
+            with anyio.fail_after(SEND_TIMEOUT_SECONDS):
+                await process.stdin.send(assignment(command, env))
+        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError, TimeoutError):
+            with suppress(ProcessLookupError):
+                process.kill()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_GRACE_SECONDS):
+                await process.wait()
+            return None
+        logger.debug(f"runner for {self.model_id}: a standby process took it on")
+        return process
 
     def _dispatch(self, line: str) -> None:
         try:

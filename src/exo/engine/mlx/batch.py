@@ -1,0 +1,256 @@
+"""Continuous batching: the requests a whole-model runner holds decode together.
+
+Each `step()` is a bounded piece of work: one prefill chunk of the oldest request
+still reading its prompt (or, once read, its first token), then one decode step
+of every request in the batch. A new request's prompt is thus read between
+decode steps, and its first token never waits for other replies to end.
+
+Per request, as in the one-at-a-time loop (`generate.TextGenerator`, whose
+prefill, checkpoints and cache stores this reuses): its prefix-cache restore and
+store, its `SamplingStep` (params, seed, penalties, constraint mask), its stop
+rules and text stream. Shared: one forward pass per decode step over the
+batch's KV cache (mlx-lm's batch caches: rows left-padded to a common length and
+masked). A request joins the batch once its first token is drawn (its own cache
+merged in) and leaves it when its reply ends (its row extracted and stored in
+the prefix cache, then filtered out).
+
+Decode computes one step ahead, as the one-at-a-time loop does: a step's forward
+pass is queued on the tokens the previous step drew before those are read back,
+so turning tokens into text overlaps the model. A row that ends at EOS or a stop
+string has had one more step computed for it, which is dropped.
+"""
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from exo.engine.mlx.constrained import request_sampling
+from exo.engine.mlx.generate import (
+    DECODE_STREAM,
+    GenerationOutput,
+    LocalModel,
+    TextGenerator,
+    TextStream,
+)
+from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, PrefixMatch
+from exo.engine.mlx.sampling import PendingToken, SamplingStep
+from exo.shared.types.tasks import GenerationParams
+
+# How many requests decode together at most (the node's admission control
+# usually bounds it first: `--max-concurrent`).
+MAX_BATCH = 32
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class GenerationFailed:
+    error: Exception
+
+
+BatchOutput = GenerationOutput | PromptProgress | GenerationFailed
+
+
+def can_batch(layers: Sequence[LayerCache]) -> bool:
+    """Whether every layer's cache has a batched form (mlx-lm's `merge`)."""
+    return all(callable(getattr(layer, "merge", None)) for layer in layers)
+
+
+@dataclass
+class _Request:
+    task_id: str
+    tokens: Sequence[int]
+    params: GenerationParams
+    match: PrefixMatch
+    layers: list[LayerCache]  # its own cache, until it joins the batch
+    sampling: SamplingStep
+    stream: TextStream
+    generated: list[int] = field(default_factory=list[int])
+    # In the batch: the token its next decode step feeds in, and the token drawn
+    # by the last step (queued, not read back yet).
+    input: mx.array | None = None
+    pending: PendingToken | None = None
+
+
+class ContinuousBatcher:
+    """Serves many requests at once on a `LocalModel`; see the module docstring."""
+
+    def __init__(self, generator: TextGenerator, max_batch: int = MAX_BATCH) -> None:
+        if not isinstance(generator.forward, LocalModel):
+            raise TypeError("continuous batching runs on a model this process holds whole")
+        self._generator = generator
+        self._model = generator.forward
+        self.max_batch = max_batch
+        self._reading: deque[_Request] = deque()
+        self._chunks: dict[str, Iterator[int]] = {}  # prefill, by task id
+        self._rows: list[_Request] = []
+        self._cache: list[LayerCache] = []
+
+    @property
+    def prefix_cache(self) -> KVPrefixCache | None:
+        return self._generator.prefix_cache
+
+    @property
+    def idle(self) -> bool:
+        return not self._reading and not self._rows
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows)
+
+    def add(
+        self,
+        task_id: str,
+        tokens: Sequence[int],
+        params: GenerationParams,
+        system_prompt_length: int = 0,
+    ) -> PromptProgress:
+        """Take a request; it reads its prompt in later steps. Raises (and takes
+        nothing) when the request is invalid, e.g. an uncompilable constraint."""
+        generator = self._generator
+        match, layers = generator.start(tokens, params)
+        request = _Request(
+            task_id=task_id,
+            tokens=tokens,
+            params=params,
+            match=match,
+            layers=layers,
+            sampling=request_sampling(params, tokens, generator.tokenizer),
+            stream=TextStream(generator.tokenizer, params, len(tokens), match.usable),
+        )
+        self._chunks[task_id] = generator.prefill_chunks(
+            tokens[:-1],
+            match.usable,
+            layers,
+            generator.checkpoint_at(system_prompt_length, layers),
+        )
+        self._reading.append(request)
+        return PromptProgress(match.usable, len(tokens) - 1)
+
+    def cancel(self, task_id: str) -> bool:
+        """Drop a request (its cache is not stored); whether it was here."""
+        for request in self._reading:
+            if request.task_id == task_id:
+                self._reading.remove(request)
+                self._chunks.pop(task_id, None)
+                return True
+        for index, row in enumerate(self._rows):
+            if row.task_id == task_id:
+                self._leave([index], store=False)
+                return True
+        return False
+
+    def step(self) -> list[tuple[str, BatchOutput]]:
+        """One prefill chunk (or first token) and one decode step: what they let out,
+        by task id. A failure fails the requests it touched, never the batcher."""
+        outputs: list[tuple[str, BatchOutput]] = []
+        if self._reading and len(self._rows) < self.max_batch:
+            request = self._reading[0]
+            try:
+                outputs.extend((request.task_id, o) for o in self._read(request))
+            except Exception as error:
+                self._reading.popleft()
+                self._chunks.pop(request.task_id, None)
+                outputs.append((request.task_id, GenerationFailed(error)))
+        if self._rows:
+            try:
+                outputs.extend(self._decode())
+            except Exception as error:
+                # The batch cache may hold a half-done step: every row fails.
+                outputs.extend((row.task_id, GenerationFailed(error)) for row in self._rows)
+                self._rows, self._cache = [], []
+        return outputs
+
+    def _read(self, request: _Request) -> list[BatchOutput]:
+        """The next prefill chunk of `request`; once its prompt is read, its first
+        token, and then it joins the batch (or ends)."""
+        done = next(self._chunks[request.task_id], None)
+        if done is not None:
+            return [PromptProgress(done, len(request.tokens) - 1)]
+        self._reading.popleft()
+        del self._chunks[request.task_id]
+        tokens, layers = request.tokens, request.layers
+        logits = self._model.model(mx.array([[tokens[-1]]]), cache=layers)[:, -1, :]
+        first = request.sampling.sample(logits)
+        request.generated.append(first.token)
+        outputs: list[BatchOutput] = list(request.stream.feed(first))
+        self._generator.store_prompt_checkpoint(tokens, layers)
+        if request.stream.finished:
+            self._generator.store_reply(tokens, request.generated, layers)
+        else:
+            self._join(request)
+        return outputs
+
+    def _join(self, request: _Request) -> None:
+        merged = [type(layer).merge([layer]) for layer in request.layers]
+        if not self._rows:
+            self._cache = merged
+        else:
+            for mine, theirs in zip(self._cache, merged, strict=True):
+                mine.extend(theirs)
+        request.layers = []
+        request.input = mx.array([request.generated[-1]], dtype=mx.int32)
+        self._rows.append(request)
+
+    def _decode(self) -> list[tuple[str, BatchOutput]]:
+        outputs: list[tuple[str, BatchOutput]] = []
+        # A row whose queued token is its last by `max_tokens` ends before the
+        # step: no forward pass is spent on it.
+        last = [i for i, row in enumerate(self._rows) if self._ends_with_pending(row)]
+        for index in last:
+            outputs.extend(self._read_back(self._rows[index]))
+        if last:
+            self._leave(last, store=True)
+        if not self._rows:
+            return outputs
+        rows = self._rows
+        inputs = mx.concatenate([row.input for row in rows if row.input is not None])
+        with mx.stream(DECODE_STREAM):
+            logits = self._model.model(inputs[:, None], cache=self._cache)[:, -1, :]
+            drawn = [row.sampling.draw(logits[i : i + 1]) for i, row in enumerate(rows)]
+        for pending in drawn:
+            pending.async_eval()
+        ended: list[int] = []
+        for index, (row, pending) in enumerate(zip(rows, drawn, strict=True)):
+            outputs.extend(self._read_back(row))
+            row.pending, row.input = pending, pending.token
+            if row.stream.finished:
+                ended.append(index)
+        if ended:
+            self._leave(ended, store=True)
+        return outputs
+
+    @staticmethod
+    def _ends_with_pending(row: _Request) -> bool:
+        return row.pending is not None and len(row.generated) + 1 >= row.params.max_tokens
+
+    def _read_back(self, row: _Request) -> list[tuple[str, BatchOutput]]:
+        """The row's queued token, read back and turned into text."""
+        if row.pending is None:
+            return []
+        sampled = row.pending.resolve()
+        row.pending = None
+        row.generated.append(sampled.token)
+        return [(row.task_id, output) for output in row.stream.feed(sampled)]
+
+    def _leave(self, indices: list[int], store: bool) -> None:
+        """Take rows out of the batch, storing their KV in the prefix cache first."""
+        if store and self._generator.prefix_cache is not None:
+            for index in indices:
+                row = self._rows[index]
+                layers = [layer.extract(index) for layer in self._cache]
+                self._generator.store_reply(row.tokens, row.generated, layers)
+        gone = set(indices)
+        keep = [i for i in range(len(self._rows)) if i not in gone]
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._cache = []
+            return
+        for layer in self._cache:
+            layer.filter(keep)
