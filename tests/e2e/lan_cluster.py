@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import psutil
 
+from exo.worker.runner.standby import is_runner_process
 from tests.e2e.node_process import NodeProcess, free_port
 from tests.netns import NetnsLan, NetnsUnavailable
 
@@ -32,7 +33,7 @@ def runner_pids(node: NodeProcess) -> list[int]:
     found = []
     for child in children:
         try:
-            if "exo.worker.runner.runner_main" in " ".join(child.cmdline()):
+            if is_runner_process(child.cmdline(), child.name()):
                 found.append(child.pid)
         except psutil.NoSuchProcess:
             pass

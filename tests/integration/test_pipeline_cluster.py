@@ -13,6 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from exo.models.store import model_dir
 from exo.shared.types.ids import ModelId
+from exo.worker.runner.standby import is_runner_process
 from tests.e2e.node_process import await_instance
 from tests.integration.cluster_process import Cluster, agreed, wait_until
 from tests.model_factory import make_tiny_llama
@@ -29,7 +30,7 @@ def runner_pids(node_pid: int) -> list[int]:
     return [
         child.pid
         for child in psutil.Process(node_pid).children(recursive=True)
-        if "exo.worker.runner.runner_main" in " ".join(child.cmdline())
+        if is_runner_process(child.cmdline(), child.name())
     ]
 
 

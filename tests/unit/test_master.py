@@ -303,3 +303,47 @@ def test_a_node_the_link_lost_takes_its_rings_down_at_once(tmp_path: Path) -> No
     assert again.instance_id != placed.instance_id
     assert lost not in again.node_ids
     assert len(again.ranks) == 2 and (again.min_nodes, again.max_nodes) == (2, 2)
+
+
+def test_a_failed_rank_is_placed_again_after_a_grace_that_lets_the_link_drop_a_dead_node(
+    tmp_path: Path,
+) -> None:
+    heard = {B: 0, C: 0}
+    store, master = cluster(tmp_path, heard=heard)
+    master.execute(
+        "c1",
+        B,
+        PlaceInstance(instance_id=InstanceId("p"), model_id=M, min_nodes=2, max_nodes=2, card=CARD),
+    )
+    placed = store.state.instances[InstanceId("p")]
+    dead = placed.node_ids[-1]
+    survivor = placed.node_ids[0]
+    # The survivor's runner fails first: the ring lost its peer.
+    failed = RunnerStatusChanged(instance_id=placed.instance_id, node_id=survivor, status="failed")
+    master.accept(survivor, [("f", failed)])
+    master._broken_grace_seconds = 60.0  # pyright: ignore[reportPrivateUsage]
+    master.tend()
+    assert list(store.state.instances) == [placed.instance_id]  # not yet: within the grace
+    assert 0 < master._next_duty_seconds() <= 1  # pyright: ignore[reportPrivateUsage]
+    # The link drops the dead node meanwhile: placed again without it, at once.
+    del heard[dead]
+    master.tend()
+    [again] = store.state.instances.values()
+    assert dead not in again.node_ids and len(again.ranks) == 2
+
+
+def test_a_failed_rank_on_live_nodes_is_placed_again_once_the_grace_is_over(
+    tmp_path: Path,
+) -> None:
+    store, master = cluster(tmp_path, heard={B: 0, C: 0})
+    master.execute(
+        "c1", B, PlaceInstance(instance_id=InstanceId("p"), model_id=M, min_nodes=2, card=CARD)
+    )
+    placed = store.state.instances[InstanceId("p")]
+    node = placed.node_ids[0]
+    failed = RunnerStatusChanged(instance_id=placed.instance_id, node_id=node, status="failed")
+    master.accept(node, [("f", failed)])
+    master._broken_grace_seconds = 0.0  # pyright: ignore[reportPrivateUsage]
+    master.tend()
+    [again] = store.state.instances.values()
+    assert again.instance_id != placed.instance_id and again.min_nodes == 2

@@ -18,6 +18,7 @@ from exo.worker.plan import (
     StopRunner,
     needed_files,
     plan,
+    wants_standby,
 )
 from tests.unit.sharded_card import CONFIG, TOKENIZER, W1, W2, W3, sharded_card
 
@@ -231,3 +232,23 @@ def test_a_download_being_cancelled_blocks_a_new_one_and_is_not_cancelled_twice(
     assert plan(ME, current, cancelling) == fetch("a", frozenset(CARD.files))
     still = LocalFacts(downloading=frozenset({M}), cancelling=frozenset({M}))
     assert plan(ME, current, still) is None  # no second download of M while it ends
+
+
+@pytest.mark.parametrize(
+    ("name", "current", "wanted"),
+    [
+        ("no instance", state(), False),
+        ("a model on one node only", state(inst("a", OTHER)), False),
+        ("a model across nodes", state(inst("r", ME, OTHER)), True),
+        ("across nodes, this one not among them", state(inst("r", OTHER, THIRD)), True),
+        (
+            "a single node left",
+            state(inst("r", ME, OTHER)).model_copy(update={"nodes": {}}),
+            False,
+        ),
+    ],
+)
+def test_a_runner_process_is_started_ahead_while_a_model_runs_across_nodes(
+    name: str, current: State, wanted: bool
+) -> None:
+    assert wants_standby(current) is wanted, name

@@ -2,10 +2,10 @@
 wait, for how long, and how large a request body may be.
 
 Per model this node serves, at most `max_concurrent` generations are in flight on
-its runner (the runner's batch, once it batches; until then the runner takes
-them in turn) and at most `max_queued` more wait here, first come first served.
-A request beyond both is refused at once with a 429 and `Retry-After`; one that
-waits longer than `queue_timeout_seconds` gets a 503. A slot is held for the
+its runner (the runner's batch; rank 0 of a pipeline takes them in turn) and at
+most `max_queued` more wait here, first come first served. A request beyond
+both is refused at once with a 429 and `Retry-After`; one that waits longer
+than `queue_timeout_seconds` gets a 503. A slot is held for the
 whole generation, streaming included, and released when it finishes, fails or
 its client goes away; whatever a request still holds when its HTTP exchange
 ends is released then (`AdmissionMiddleware`), so no path can leak a slot.

@@ -251,6 +251,8 @@ class _Run:
                                 tool_calls=tuple(end.call for end in calls),
                             )
                             return
+                        case TaskFailed(error=error, runner_lost=True):
+                            raise runner_unavailable(error)
                         case TaskFailed(error=error):
                             raise generation_failed(error)
                         case _:

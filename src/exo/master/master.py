@@ -12,6 +12,7 @@ from it for the node timeout. The decisions are pure functions (`decide`, `may_o
 `placeable`, `timed_out_nodes`, `broken_instances`, `instances_on`).
 """
 
+import time
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 
@@ -35,8 +36,14 @@ from exo.shared.types.events import (
     NodeTimedOut,
     RunnerStatusChanged,
 )
-from exo.shared.types.ids import NodeId
+from exo.shared.types.ids import InstanceId, NodeId
 from exo.shared.types.state import Instance, State
+
+# A ring's runners fail as soon as one of its nodes dies, often a moment before
+# the link notices that node is gone: an instance with a failed rank is placed
+# again once it has been failed this long (a lost node's instances at once), so
+# that the placement leaves the dead node out.
+BROKEN_GRACE_SECONDS = 1.0
 
 
 class NotMaster(Exception):
@@ -92,6 +99,7 @@ class Master:
         node_timeout_seconds: float,
         duty_interval_seconds: float,
         heard_ms: Callable[[], Mapping[NodeId, int]] | None = None,
+        broken_grace_seconds: float = BROKEN_GRACE_SECONDS,
     ) -> None:
         """`heard_ms`: when the link last heard each live peer (wall-clock ms);
         None: no link, every node of the state counts as reachable."""
@@ -105,6 +113,8 @@ class Master:
         self._heard_ms = heard_ms
         self._unreachable: set[NodeId] = set()
         self._woken = anyio.Event()
+        self._broken_grace_seconds = broken_grace_seconds
+        self._broken_since: dict[InstanceId, float] = {}  # monotonic time first seen failed
 
     @property
     def in_office(self) -> bool:
@@ -168,7 +178,7 @@ class Master:
     async def run(self) -> None:
         """The master's duties, every interval (or when woken) while in office."""
         while True:
-            with anyio.move_on_after(self._duty_interval_seconds):
+            with anyio.move_on_after(self._next_duty_seconds()):
                 await self._woken.wait()
             self._woken = anyio.Event()
             if self._in_office:
@@ -194,7 +204,7 @@ class Master:
         damaged: dict[str, tuple[Instance, bool]] = {}
         for instance in instances_on(before, gone):
             damaged[instance.instance_id] = (instance, False)
-        for instance in instances_on(state, lost) + broken_instances(state):
+        for instance in instances_on(state, lost) + self._broken_long_enough(state):
             damaged[instance.instance_id] = (instance, True)
         available = _accepting_nodes(self._placeable_state())
         for instance, listed in damaged.values():
@@ -206,6 +216,27 @@ class Master:
                     self.execute(uuid.uuid4().hex, self.node_id, command)
                 except CommandRejected as error:
                     logger.warning(f"cannot place {instance.model_id} again: {error}")
+
+    def _broken_long_enough(self, state: State) -> list[Instance]:
+        """The instances with a failed rank that have been so for the grace."""
+        now = time.monotonic()
+        broken = broken_instances(state)
+        self._broken_since = {
+            i.instance_id: self._broken_since.get(i.instance_id, now) for i in broken
+        }
+        return [
+            i
+            for i in broken
+            if now - self._broken_since[i.instance_id] >= self._broken_grace_seconds
+        ]
+
+    def _next_duty_seconds(self) -> float:
+        """Until the next round of duties: the interval, or sooner when a failed
+        instance's grace ends."""
+        now = time.monotonic()
+        ends = (since + self._broken_grace_seconds for since in self._broken_since.values())
+        due = [end - now for end in ends if end > now]
+        return max(0.0, min([self._duty_interval_seconds, *due]))
 
     def _reachable(self) -> Collection[NodeId] | None:
         """The nodes the link hears now, this one included (None: no link)."""

@@ -50,6 +50,10 @@ from exo.worker.served_model import ServedModel
 
 # Re-plan at least this often even without events (bounded waits).
 REPLAN_SECONDS = 5.0
+# A runner process is started ahead (`_tend_standby`) only this long after this
+# node last started a runner (its imports would slow the new runner's first
+# requests), and stopped once none has been wanted for this long.
+STANDBY_DELAY_SECONDS = 10.0
 # How long deleting a model's files waits for its cancelled download to end.
 DOWNLOAD_STOP_SECONDS = 10.0
 
@@ -102,6 +106,8 @@ class Worker:
         self._sources_used: dict[ModelId, str] = {}  # where each model's last bytes came from
         # A runner process started ahead, for the next runner (see `standby.py`).
         self._standby: anyio.abc.Process | None = None
+        self._runner_started_at = -STANDBY_DELAY_SECONDS
+        self._unwanted_since: float | None = None
 
     async def run(self) -> None:
         async with anyio.create_task_group() as group:
@@ -279,17 +285,23 @@ class Worker:
     async def _tend_standby(self) -> None:
         """Keep one runner process started ahead while the cluster runs a model
         across nodes (a node's death then places ranks here at once); none while
-        a runner here starts, so that it has the CPU."""
+        a runner here starts or has just started, so that it has the CPU."""
         if self._standby is not None and self._standby.returncode is not None:
             self._standby = None  # it died: started again below
+        now = time.monotonic()
         if not wants_standby(self.link.state):
-            await self._close_standby()
+            # Not at once: between a ring's deletion and its re-placement none is wanted.
+            self._unwanted_since = self._unwanted_since or now
+            if now - self._unwanted_since >= STANDBY_DELAY_SECONDS:
+                await self._close_standby()
             return
+        self._unwanted_since = None
         starting = any(
             running.runner is not None and running.runner.status in ("starting", "loading")
             for running in self._running.values()
         )
-        if self._standby is None and not starting:
+        settled = now - self._runner_started_at >= STANDBY_DELAY_SECONDS
+        if self._standby is None and not starting and settled:
             try:
                 self._standby = await anyio.open_process(
                     standby_command(), env=runner_environment(self.cache_dir), stderr=None
@@ -362,6 +374,7 @@ class Worker:
         )
         running = _Running(instance, None, runner)
         self._running[instance.instance_id] = running
+        self._runner_started_at = time.monotonic()
 
         async def supervise() -> None:
             with running.scope:

@@ -1,8 +1,9 @@
 """Continuous batching: the requests a whole-model runner holds decode together.
 
-Each `step()` is a bounded piece of work: one prefill chunk of the oldest request
-still reading its prompt (or, once read, its first token), then one decode step
-of every request in the batch. A new request's prompt is thus read between
+Each `step()` is a bounded piece of work: prompt reading worth one prefill chunk
+(a chunk of the oldest request still reading its prompt, or the short prompts
+of several, each with its first token once read), then one decode step of every
+request in the batch. A new request's prompt is thus read between
 decode steps, and its first token never waits for other replies to end.
 
 Per request, as in the one-at-a-time loop (`generate.TextGenerator`, whose
@@ -71,6 +72,7 @@ class _Request:
     layers: list[LayerCache]  # its own cache, until it joins the batch
     sampling: SamplingStep
     stream: TextStream
+    read: int = 0  # prompt tokens in its cache (restored or prefilled)
     generated: list[int] = field(default_factory=list[int])
     # In the batch: the token its next decode step feeds in, and the token drawn
     # by the last step (queued, not read back yet).
@@ -123,6 +125,7 @@ class ContinuousBatcher:
             layers=layers,
             sampling=request_sampling(params, tokens, generator.tokenizer),
             stream=TextStream(generator.tokenizer, params, len(tokens), match.usable),
+            read=match.usable,
         )
         self._chunks[task_id] = generator.prefill_chunks(
             tokens[:-1],
@@ -147,17 +150,22 @@ class ContinuousBatcher:
         return False
 
     def step(self) -> list[tuple[str, BatchOutput]]:
-        """One prefill chunk (or first token) and one decode step: what they let out,
-        by task id. A failure fails the requests it touched, never the batcher."""
+        """Prompt reading worth up to one prefill chunk (a chunk of the oldest
+        request, or the short prompts of several), then one decode step: what they
+        let out, by task id. A failure fails the requests it touched, never the
+        batcher."""
         outputs: list[tuple[str, BatchOutput]] = []
-        if self._reading and len(self._rows) < self.max_batch:
+        budget = self._generator.prefill_step_tokens
+        while self._reading and len(self._rows) < self.max_batch and budget > 0:
             request = self._reading[0]
+            before = request.read
             try:
                 outputs.extend((request.task_id, o) for o in self._read(request))
             except Exception as error:
                 self._reading.popleft()
                 self._chunks.pop(request.task_id, None)
                 outputs.append((request.task_id, GenerationFailed(error)))
+            budget -= max(1, request.read - before)
         if self._rows:
             try:
                 outputs.extend(self._decode())
@@ -170,16 +178,21 @@ class ContinuousBatcher:
     def _read(self, request: _Request) -> list[BatchOutput]:
         """The next prefill chunk of `request`; once its prompt is read, its first
         token, and then it joins the batch (or ends)."""
+        tokens, layers = request.tokens, request.layers
+        outputs: list[BatchOutput] = []
         done = next(self._chunks[request.task_id], None)
         if done is not None:
-            return [PromptProgress(done, len(request.tokens) - 1)]
+            request.read = done
+            outputs.append(PromptProgress(done, len(tokens) - 1))
+            if done < len(tokens) - 1:
+                return outputs
         self._reading.popleft()
         del self._chunks[request.task_id]
-        tokens, layers = request.tokens, request.layers
         logits = self._model.model(mx.array([[tokens[-1]]]), cache=layers)[:, -1, :]
         first = request.sampling.sample(logits)
+        request.read = len(tokens)
         request.generated.append(first.token)
-        outputs: list[BatchOutput] = list(request.stream.feed(first))
+        outputs.extend(request.stream.feed(first))
         self._generator.store_prompt_checkpoint(tokens, layers)
         if request.stream.finished:
             self._generator.store_reply(tokens, request.generated, layers)
@@ -203,9 +216,8 @@ class ContinuousBatcher:
         # A row whose queued token is its last by `max_tokens` ends before the
         # step: no forward pass is spent on it.
         last = [i for i, row in enumerate(self._rows) if self._ends_with_pending(row)]
-        for index in last:
-            outputs.extend(self._read_back(self._rows[index]))
         if last:
+            outputs.extend(self._read_back([self._rows[i] for i in last]))
             self._leave(last, store=True)
         if not self._rows:
             return outputs
@@ -214,14 +226,11 @@ class ContinuousBatcher:
         with mx.stream(DECODE_STREAM):
             logits = self._model.model(inputs[:, None], cache=self._cache)[:, -1, :]
             drawn = [row.sampling.draw(logits[i : i + 1]) for i, row in enumerate(rows)]
-        for pending in drawn:
-            pending.async_eval()
-        ended: list[int] = []
-        for index, (row, pending) in enumerate(zip(rows, drawn, strict=True)):
-            outputs.extend(self._read_back(row))
+        PendingToken.async_eval_all(drawn)
+        outputs.extend(self._read_back(rows))
+        for row, pending in zip(rows, drawn, strict=True):
             row.pending, row.input = pending, pending.token
-            if row.stream.finished:
-                ended.append(index)
+        ended = [i for i, row in enumerate(rows) if row.stream.finished]
         if ended:
             self._leave(ended, store=True)
         return outputs
@@ -230,14 +239,17 @@ class ContinuousBatcher:
     def _ends_with_pending(row: _Request) -> bool:
         return row.pending is not None and len(row.generated) + 1 >= row.params.max_tokens
 
-    def _read_back(self, row: _Request) -> list[tuple[str, BatchOutput]]:
-        """The row's queued token, read back and turned into text."""
-        if row.pending is None:
-            return []
-        sampled = row.pending.resolve()
-        row.pending = None
-        row.generated.append(sampled.token)
-        return [(row.task_id, output) for output in row.stream.feed(sampled)]
+    @staticmethod
+    def _read_back(rows: list[_Request]) -> list[tuple[str, BatchOutput]]:
+        """The rows' queued tokens, read back (one wait) and turned into text."""
+        queued = [row for row in rows if row.pending is not None]
+        sampled = PendingToken.resolve_all([row.pending for row in queued if row.pending])
+        outputs: list[tuple[str, BatchOutput]] = []
+        for row, token in zip(queued, sampled, strict=True):
+            row.pending = None
+            row.generated.append(token.token)
+            outputs.extend((row.task_id, output) for output in row.stream.feed(token))
+        return outputs
 
     def _leave(self, indices: list[int], store: bool) -> None:
         """Take rows out of the batch, storing their KV in the prefix cache first."""

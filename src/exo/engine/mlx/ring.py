@@ -50,6 +50,9 @@ _MEET_RETRY_SECONDS = 0.05
 # that rank 0, which called init as it sent the go, is listening by then.
 _LAST_RANK_DELAY_SECONDS = 0.1
 _MEET_MAGIC = b"exo-ring"
+# A connection to a rank's port must say hello within this long (else it is not
+# its left neighbour's).
+_HELLO_SECONDS = 5.0
 _GO = b"g"
 # Between two `poll()` slices a waiting rank checks whether it was asked to stop.
 _POLL_SLICE_SECONDS = 0.25
@@ -375,7 +378,11 @@ def _meet(addresses: list[str], rank: int, deadline: float, interrupt: Callable[
             _wait_for(listener, deadline, interrupt)
             left, _ = listener.accept()
             sockets.append(left)
-            hello = _recv_exactly(left, len(token) + 1, deadline, interrupt)
+            try:
+                soon = min(deadline, time.monotonic() + _HELLO_SECONDS)
+                hello = _recv_exactly(left, len(token) + 1, soon, interrupt)
+            except (OSError, TimeoutError):
+                hello = b""
             if hello == token + bytes([(rank - 1) % size]):
                 break
             left.close()

@@ -104,6 +104,17 @@ class PendingToken:
         logprob = [] if self.logprob is None else [self.logprob]
         return [self.token, *logprob, *(self.alternatives or ())]
 
+    @staticmethod
+    def async_eval_all(pending: Sequence["PendingToken"]) -> None:
+        """Start evaluating several requests' tokens as one graph (one batch step)."""
+        mx.async_eval(*(array for token in pending for array in token._arrays()))
+
+    @staticmethod
+    def resolve_all(pending: Sequence["PendingToken"]) -> list[SampledToken]:
+        """`resolve` of several requests' tokens, waiting once for all of them."""
+        mx.eval(*(array for token in pending for array in token._arrays()))
+        return [token.resolve() for token in pending]
+
 
 class SamplingStep:
     """The sampling state of one request. `prompt_tokens` feed the repetition

@@ -66,6 +66,9 @@ class TaskFailed(FrozenModel):
     kind: Literal["task_failed"] = "task_failed"
     task_id: TaskId
     error: str
+    # The runner (or a rank of its pipeline) is gone, not the request at fault:
+    # the client is told why, as a 503 it may retry.
+    runner_lost: bool = False
 
 
 class CacheStatsReport(FrozenModel):

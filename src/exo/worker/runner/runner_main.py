@@ -12,8 +12,9 @@ holding layers [S, E) of the model's N. With `--prefix-cache-dir`, each rank
 keeps its layers' share of the cache's disk tier (agreed with the others: see
 `pipeline.py`).
 Rank 0 takes `Generate`/`Cancel` and reports task messages; every rank reports
-its status and cache stats, and obeys `Shutdown` and the end of stdin. Without
-them the runner holds the whole model, alone.
+its status and cache stats, and obeys `Shutdown` and the end of stdin; rank 0
+serves its tasks one at a time. Without them the runner holds the whole model,
+alone, and serves the tasks it holds together (`engine/mlx/batch.py`).
 """
 
 import argparse
@@ -246,7 +247,7 @@ class Runner:
         # Join before loading: ranks start together, while loading times differ
         # (the handshake below waits for the slowest).
         started = time.monotonic()
-        link = join_ring()
+        link = join_ring(interrupt=self._stop_if_asked)
         joined = time.monotonic()
         logger.info(
             f"joined the pipeline group as rank {link.rank} of {link.size} in {joined - started:.1f}s"
@@ -360,7 +361,9 @@ class Runner:
                 self.send(TaskFailed(task_id=task.task_id, error=f"invalid constraint: {error}"))
             except PipelineFailure as error:  # the group is gone: so is every task
                 for failed in [task, *self._pending]:
-                    self.send(TaskFailed(task_id=failed.task_id, error=str(error)))
+                    self.send(
+                        TaskFailed(task_id=failed.task_id, error=str(error), runner_lost=True)
+                    )
                 self._pending.clear()
                 raise
             except Exception as error:  # a bad request must not kill the runner

@@ -13,8 +13,12 @@ imports never slow the runners and requests of the moment; its assignment puts
 every thread of it back to the node's priority at once, mid-import if need be.
 Only where it may raise its priority back (root, or a large enough
 `RLIMIT_NICE`); elsewhere it imports at the normal priority.
+
+Once assigned, its process name is `RUNNER_PROCESS_NAME` (Linux), so that it can
+be told from a waiting standby: `is_runner_process`.
 """
 
+import ctypes
 import json
 import os
 import signal
@@ -41,11 +45,30 @@ _PRELOAD = (
 
 # How much lower the priority of a waiting standby is (nice value added).
 STANDBY_NICE = 10
+RUNNER_PROCESS_NAME = "exo-runner"
+_PR_SET_NAME = 15
 
 
 class Assignment(BaseModel):
     argv: list[str]
     env: dict[str, str]
+
+
+def is_runner_process(cmdline: Sequence[str], name: str) -> bool:
+    """Whether a process (its command line and name) is a runner: one started as
+    such, or a standby that was assigned."""
+    command = " ".join(cmdline)
+    return "exo.worker.runner.runner_main" in command or (
+        "exo.worker.runner.standby" in command and name == RUNNER_PROCESS_NAME
+    )
+
+
+def _name_process(name: str) -> None:
+    """What `ps -o comm` and `psutil.Process.name()` show for this process (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode(), 0, 0, 0)
 
 
 def standby_command() -> list[str]:
@@ -117,6 +140,7 @@ def main() -> None:
     if not line.strip():
         return  # never needed
     given = Assignment.model_validate(json.loads(line))
+    _name_process(RUNNER_PROCESS_NAME)
     os.environ.update(given.env)
     sys.argv = [sys.argv[0], *given.argv]
     from exo.worker.runner.runner_main import main as runner_main

@@ -223,7 +223,7 @@ class RunnerSupervisor:
     def _fail_all(self, reason: str) -> None:
         for task_id, stream in list(self._tasks.items()):
             with suppress(anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                stream.send_nowait(TaskFailed(task_id=task_id, error=reason))
+                stream.send_nowait(TaskFailed(task_id=task_id, error=reason, runner_lost=True))
             stream.close()
         self._tasks.clear()
 
