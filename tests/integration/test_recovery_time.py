@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from exo.models.builtin import DEFAULT_MODEL_ID
+from tests.e2e.lan_cluster import chat
 from tests.e2e.node_process import NodeProcess, await_instance
 from tests.integration.cluster_process import Cluster, agreed, wait_until
 
@@ -23,26 +24,6 @@ REPLACED_SECONDS = 5.0
 NODE_TIMEOUT_SECONDS = "60"
 _STARTED = re.compile(r"standby runner process (\d+) started")
 _READY = re.compile(r"standby runner process (\d+) ready")
-
-
-def chat(node: NodeProcess, timeout: float) -> str | None:
-    """A short answer from `node`, or None when it cannot give one now."""
-    try:
-        response = httpx.post(
-            f"{node.base_url}/v1/chat/completions",
-            json={
-                "model": DEFAULT_MODEL_ID,
-                "messages": [{"role": "user", "content": "Say hi."}],
-                "max_tokens": 4,
-                "temperature": 0,
-            },
-            timeout=timeout,
-        )
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
-        return None
-    return response.json()["choices"][0]["message"]["content"] or None
 
 
 def standby_ready(node: NodeProcess) -> bool:
@@ -74,7 +55,7 @@ def test_the_model_serves_again_within_10s_after_a_node_holding_a_rank_dies(
     wait_until(lambda: agreed(cluster.nodes), 30, "three nodes agreeing")
     # A settled cluster: each node has a runner process started ahead, imports done.
     wait_until(lambda: all(standby_ready(n) for n in cluster.nodes), 120, "standby runners")
-    assert chat(other, timeout=30)
+    assert chat(other.base_url, DEFAULT_MODEL_ID, timeout=30)
 
     dead, survivor = (master, other) if victim == "master" else (other, master)
     dead_id = dead.get("/node_id")
@@ -96,7 +77,7 @@ def test_the_model_serves_again_within_10s_after_a_node_holding_a_rank_dies(
 
     answer = None
     while answer is None and (left := killed_at + RECOVERY_SECONDS - time.monotonic()) > 0:
-        answer = chat(survivor, timeout=left)
+        answer = chat(survivor.base_url, DEFAULT_MODEL_ID, timeout=left)
         if answer is None:
             time.sleep(0.2)
     recovered_after = time.monotonic() - killed_at

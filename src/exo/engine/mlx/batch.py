@@ -35,7 +35,7 @@ from exo.engine.mlx.generate import (
     TextGenerator,
     TextStream,
 )
-from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, PrefixMatch
+from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache
 from exo.engine.mlx.sampling import PendingToken, SamplingStep
 from exo.shared.types.tasks import GenerationParams
 
@@ -68,7 +68,6 @@ class _Request:
     task_id: str
     tokens: Sequence[int]
     params: GenerationParams
-    match: PrefixMatch
     layers: list[LayerCache]  # its own cache, until it joins the batch
     sampling: SamplingStep
     stream: TextStream
@@ -121,7 +120,6 @@ class ContinuousBatcher:
             task_id=task_id,
             tokens=tokens,
             params=params,
-            match=match,
             layers=layers,
             sampling=request_sampling(params, tokens, generator.tokenizer),
             stream=TextStream(generator.tokenizer, params, len(tokens), match.usable),
