@@ -239,7 +239,7 @@ def main() -> int:
         mlx: Replay | None = None
         if not args.skip_mlx_lm:
             fp32 = float32_copy(model_dir, work / "float32")
-            with mlx_lm_server(fp32, work) as base_url:
+            with mlx_lm_server(fp32, work) as (base_url, _):
                 mlx = replay(
                     base_url, str(fp32), workload, IdealCache(tokenizer), args.max_tokens,
                     "mlx_lm.server",

@@ -6,12 +6,18 @@ same model folder, in one run.
 - **aggregate decode tokens/s**: N streams sent at once, each a different
   question, `max_tokens` tokens each (EOS biased away, so every stream decodes
   the same count); all tokens after each stream's first, over the time from the
-  earliest first token to the last token. Greedy for both servers; exo is also
-  measured with seeded sampling (temperature 0.7, a seed per stream), which it
-  batches too (mlx_lm.server serves seeded requests one at a time, so it gets
-  unseeded ones).
+  earliest first token to the last token. Greedy for both servers, and sampled
+  at temperature 0.7 with top-p 0.9 (the model's recommended top-p, sent to
+  both): exo with a seed per stream, which it batches too, mlx_lm.server
+  without (it serves seeded requests one at a time).
 - **short-request TTFT**: two long generations stream; once both have tokens
   out, a one-token chat is sent; its time to first token, median of the rounds.
+
+Both servers run at once (idle between their rounds): for each concurrency the
+servers' rounds alternate, `--repeats` times with the order rotating, and the
+median is reported, so a slow spell of the machine does not fall on one server
+only. Each round also prints the CPU time per token of each process (exo's node
+and runner; mlx_lm.server's one process).
 
 mlx_lm.server runs the float32 copy of the model that exo's runner runs on the
 CPU (the built-in model is a quantized GGUF, dequantized at load), with OpenBLAS
@@ -30,15 +36,30 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-from exo_node import StreamResult, float32_copy, mlx_lm_server, start_node, stream_chat
+from exo_node import (
+    CpuMeter,
+    StreamResult,
+    float32_copy,
+    mlx_lm_server,
+    runner_pid,
+    start_node,
+    stream_chat,
+)
 from transformers import AutoTokenizer
 
 TARGET_FOUR_STREAMS = 2.5  # 4 streams vs one, aggregate tokens/s
+# Like against like: greedy vs greedy, exo's seeded sampling vs mlx_lm.server's
+# unseeded sampling at the same temperature (it serves seeded requests one at a time).
+PAIRS = [("exo", "mlx_lm.server"), ("exo seeded", "mlx_lm.server sampled")]
+# The built-in model's recommended top-p (its generation_config.json), which exo
+# applies by default and mlx_lm.server does not: sent to both, so both do it.
+SAMPLED_TOP_P = 0.9
 QUESTIONS = [
     "Tell me a long story about a lighthouse keeper.",
     "Explain how a steam engine works, in detail.",
@@ -152,23 +173,55 @@ def short_ttft(server: Server, long_tokens: int, no_eos: dict[str, float]) -> fl
     return short.ttft
 
 
-def measure(
-    server: Server, concurrency: list[int], max_tokens: int, rounds: int, no_eos: dict[str, float]
-) -> tuple[dict[int, float], float]:
-    stream_chat(
-        httpx.Client(), server.base_url, [{"role": "user", "content": "Hi"}], 4, model=server.model
-    )  # warm-up
-    rates: dict[int, float] = {}
-    for count in concurrency:
-        result = run_streams(server, count, max_tokens, no_eos)
-        rates[count] = result.tokens_per_second
-        print(
-            f"{server.label}: {count} streams: {result.tokens} tokens in {result.seconds:.2f}s "
-            f"= {result.tokens_per_second:.1f} tok/s"
+def warm_up(server: Server) -> None:
+    with httpx.Client() as client:
+        stream_chat(
+            client, server.base_url, [{"role": "user", "content": "Hi"}], 4, model=server.model
         )
-    ttfts = [short_ttft(server, 4 * max_tokens, no_eos) for _ in range(rounds)]
+
+
+def measure_rates(
+    servers: list[Server],
+    concurrency: list[int],
+    max_tokens: int,
+    repeats: int,
+    no_eos: dict[str, float],
+    meters: dict[str, CpuMeter],
+) -> dict[str, dict[int, float]]:
+    """Median aggregate tok/s per server and concurrency. The servers' rounds
+    alternate (the order rotating each repeat), so a slow spell of the machine
+    falls on all of them, not on whichever ran last."""
+    samples: dict[str, dict[int, list[float]]] = {
+        s.label: {n: [] for n in concurrency} for s in servers
+    }
+    for count in concurrency:
+        for repeat in range(repeats):
+            shift = repeat % len(servers)
+            for server in servers[shift:] + servers[:shift]:
+                meter = meters[server.label]
+                meter.start()
+                result = run_streams(server, count, max_tokens, no_eos)
+                usage = meter.stop()
+                samples[server.label][count].append(result.tokens_per_second)
+                cpu = ", ".join(
+                    f"{name} {usage.cpu_ms_per(name, result.tokens + count):.1f}"
+                    for name in meter.processes
+                )
+                print(
+                    f"{server.label}: {count} streams: {result.tokens} tokens in "
+                    f"{result.seconds:.2f}s = {result.tokens_per_second:.1f} tok/s "
+                    f"(CPU ms/token: {cpu}; other processes {usage.foreign_cores:.2f} cores)"
+                )
+    return {
+        label: {n: statistics.median(rates) for n, rates in by_count.items()}
+        for label, by_count in samples.items()
+    }
+
+
+def measure_ttft(server: Server, rounds: int, long_tokens: int, no_eos: dict[str, float]) -> float:
+    ttfts = [short_ttft(server, long_tokens, no_eos) for _ in range(rounds)]
     print(f"{server.label}: short-request TTFT during 2 long generations: {ttfts}")
-    return rates, statistics.median(ttfts)
+    return statistics.median(ttfts)
 
 
 def main() -> int:
@@ -176,44 +229,63 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ttft-rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per concurrency (median)")
     parser.add_argument("--models-dir", type=Path, default=None)
     parser.add_argument("--skip-mlx-lm", action="store_true", help="run exo only")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="exo-streams-"))
     models = args.models_dir or work / "models"
-    results: dict[str, tuple[dict[int, float], float]] = {}
+    rates: dict[str, dict[int, float]] = {}
+    ttfts: dict[str, float] = {}
     try:
-        with start_node(models) as node:
+        with start_node(models) as node, ExitStack() as stack:
             tokenizer = AutoTokenizer.from_pretrained(str(node.model_dir))
             no_eos = {str(tokenizer.eos_token_id): -100.0}
-            model_dir = node.model_dir
-            greedy = Server("exo", node.base_url, "SmolLM2-135M-Instruct", lambda i: {})
-            seeded = Server(
-                "exo seeded",
-                node.base_url,
-                "SmolLM2-135M-Instruct",
-                lambda i: {"temperature": 0.7, "seed": 1000 + i},
-            )
-            results["exo"] = measure(
-                greedy, args.concurrency, args.max_tokens, args.ttft_rounds, no_eos
-            )
-            results["exo seeded"] = measure(seeded, args.concurrency, args.max_tokens, 1, no_eos)
-        if not args.skip_mlx_lm:
-            fp32 = float32_copy(model_dir, work / "float32")
-            with mlx_lm_server(fp32, work) as base_url:
-                mlx = Server("mlx_lm.server", base_url, str(fp32), lambda i: {})
-                results["mlx_lm.server"] = measure(
-                    mlx, args.concurrency, args.max_tokens, args.ttft_rounds, no_eos
+            model = "SmolLM2-135M-Instruct"
+            servers = [
+                Server("exo", node.base_url, model, lambda i: {}),
+                Server(
+                    "exo seeded",
+                    node.base_url,
+                    model,
+                    lambda i: {"temperature": 0.7, "top_p": SAMPLED_TOP_P, "seed": 1000 + i},
+                ),
+            ]
+            warm_up(servers[0])  # the runner starts with the first request
+            exo_processes = {"node": node.process.pid, "runner": runner_pid(node) or -1}
+            meters = {s.label: CpuMeter(exo_processes) for s in servers}
+            if not args.skip_mlx_lm:
+                fp32 = float32_copy(node.model_dir, work / "float32")
+                base_url, pid = stack.enter_context(mlx_lm_server(fp32, work))
+                servers.append(Server("mlx_lm.server", base_url, str(fp32), lambda i: {}))
+                servers.append(
+                    Server(
+                        "mlx_lm.server sampled",
+                        base_url,
+                        str(fp32),
+                        lambda i: {"temperature": 0.7, "top_p": SAMPLED_TOP_P},
+                    )
                 )
+                for label in ("mlx_lm.server", "mlx_lm.server sampled"):
+                    meters[label] = CpuMeter({"server": pid})
+            for server in servers:
+                warm_up(server)
+            rates = measure_rates(
+                servers, args.concurrency, args.max_tokens, args.repeats, no_eos, meters
+            )
+            for server in servers:
+                rounds = args.ttft_rounds if server.label in ("exo", "mlx_lm.server") else 1
+                ttfts[server.label] = measure_ttft(server, rounds, 4 * args.max_tokens, no_eos)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    results = {label: (rates[label], ttfts[label]) for label in rates}
 
     print()
     header = " | ".join(f"{n} streams" for n in args.concurrency)
     print(f"| aggregate decode tok/s | {header} | short-request TTFT |")
     print("| --- " * (len(args.concurrency) + 2) + "|")
-    for label, (rates, ttft) in results.items():
-        cells = " | ".join(f"{rates[n]:.1f}" for n in args.concurrency)
+    for label, (by_count, ttft) in results.items():
+        cells = " | ".join(f"{by_count[n]:.1f}" for n in args.concurrency)
         print(f"| {label} | {cells} | {ttft:.2f}s |")
     met = True
     exo_rates, exo_ttft = results["exo"]
@@ -222,11 +294,11 @@ def main() -> int:
         print(f"exo 4 streams / 1 stream: {scale:.2f}x (target >= {TARGET_FOUR_STREAMS}x)")
         met = scale >= TARGET_FOUR_STREAMS
     if "mlx_lm.server" in results:
-        mlx_rates, mlx_ttft = results["mlx_lm.server"]
+        mlx_ttft = results["mlx_lm.server"][1]
         for n in args.concurrency:
-            for label in ("exo", "exo seeded"):
-                ratio = results[label][0][n] / mlx_rates[n]
-                print(f"{label} / mlx_lm.server at {n} streams: {ratio:.2f}x (target >= 1)")
+            for label, baseline in PAIRS:
+                ratio = results[label][0][n] / results[baseline][0][n]
+                print(f"{label} / {baseline} at {n} streams: {ratio:.2f}x (target >= 1)")
                 met = met and ratio >= 1
         print(f"short-request TTFT exo / mlx_lm.server: {exo_ttft / mlx_ttft:.2f}x (target <= 1)")
         met = met and exo_ttft <= mlx_ttft

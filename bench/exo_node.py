@@ -341,8 +341,9 @@ def float32_copy(model_dir: Path, target: Path) -> Path:
 
 
 @contextmanager
-def mlx_lm_server(model_dir: Path, work: Path) -> Iterator[str]:
-    """`mlx_lm.server` with its default flags (OpenBLAS preloaded, as for exo's runners)."""
+def mlx_lm_server(model_dir: Path, work: Path) -> Iterator[tuple[str, int]]:
+    """`mlx_lm.server` with its default flags (OpenBLAS preloaded, as for exo's
+    runners): its base URL and pid."""
     from exo.worker.runner.blas import runner_environment
 
     port = free_port()
@@ -368,7 +369,7 @@ def mlx_lm_server(model_dir: Path, work: Path) -> Iterator[str]:
                 if time.monotonic() > deadline:
                     raise TimeoutError("mlx_lm.server did not start") from None
                 time.sleep(0.5)
-        yield base_url
+        yield base_url, process.pid
     finally:
         stop_exo(process)
         log.close()

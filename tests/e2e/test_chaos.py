@@ -2,7 +2,8 @@
 namespace on a private LAN (real mDNS; loopback with static peers where
 namespaces cannot be made), eight concurrent streaming clients (the official
 `openai` client), and one SIGKILL mid-stream: a runner, a worker node that is
-not the master, the master, one pipeline rank.
+not the master, the master, one pipeline rank, a node that alone served the
+model.
 
 Each kill must leave every client with its answer or a clear error (an HTTP
 error, or an SSE error event with a message) within 10 s, the model serving
@@ -319,3 +320,11 @@ def test_a_worker_node_killed_mid_stream(cluster: LanCluster) -> None:
 def test_the_master_killed_mid_stream(cluster: LanCluster) -> None:
     placed = place(cluster, 2)
     kill_node_mid_stream(cluster, placed, master_index(cluster), "master killed")
+
+
+def test_a_node_serving_alone_killed_mid_stream(cluster: LanCluster) -> None:
+    """The only instance of the model is one rank on a worker: its death takes
+    the instance down at once, and the master places the model on a survivor."""
+    worker = next(i for i in range(3) if i != master_index(cluster))
+    placed = place(cluster, 1, on=worker)
+    kill_node_mid_stream(cluster, placed, worker, "node serving alone killed")

@@ -347,3 +347,41 @@ def test_a_failed_rank_on_live_nodes_is_placed_again_once_the_grace_is_over(
     master.tend()
     [again] = store.state.instances.values()
     assert again.instance_id != placed.instance_id and again.min_nodes == 2
+
+
+def test_a_lone_rank_on_a_node_the_link_lost_is_placed_on_the_survivors(tmp_path: Path) -> None:
+    heard = {B: 0, C: 0}
+    store, master = cluster(tmp_path, heard=heard)
+    store.index(
+        B, [("card", ModelCardPublished(card=CARD)), ("alone", InstanceCreated(instance=ALONE))]
+    )
+    master.tend()
+    assert list(store.state.instances) == [ALONE.instance_id]  # all heard: nothing to do
+    del heard[B]
+    master.tend()
+    [again] = store.state.instances.values()
+    assert again.instance_id != ALONE.instance_id
+    assert B not in again.node_ids and again.model_id == M
+
+
+def test_a_lost_instance_whose_model_another_instance_serves_is_only_deleted(
+    tmp_path: Path,
+) -> None:
+    heard = {B: 0, C: 0}
+    store, master = cluster(tmp_path, heard=heard)
+    on_c = Instance(
+        instance_id=InstanceId("on-c"),
+        model_id=M,
+        ranks=(InstanceRank(node_id=C, start_layer=0, end_layer=4),),
+    )
+    store.index(
+        B,
+        [
+            ("card", ModelCardPublished(card=CARD)),
+            ("alone", InstanceCreated(instance=ALONE)),
+            ("on-c", InstanceCreated(instance=on_c)),
+        ],
+    )
+    del heard[B]
+    master.tend()
+    assert list(store.state.instances) == [on_c.instance_id]

@@ -1,4 +1,4 @@
-"""Recovery of multi-rank instances that lost a rank."""
+"""Recovery of instances that lost a rank."""
 
 from types import SimpleNamespace
 
@@ -12,6 +12,7 @@ from exo.master.recovery import (
     broken_instances,
     instances_on,
     replacement,
+    still_served,
 )
 from exo.shared.types.commands import Command, DeleteInstance, PlaceInstance
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
@@ -79,16 +80,30 @@ ALL = state((SOLO, {}), (PAIR, {}), (TRIO_N, {}), (inst("bc", B, C), {}))
     ("nodes", "expected"),
     [
         ([], []),
-        ([A], ["pair", "trio"]),  # not "solo": a single rank has no ring to lose
+        ([A], ["pair", "solo", "trio"]),
         ([B], ["bc", "pair", "trio"]),
         ([C], ["bc", "trio"]),
-        ([A, C], ["bc", "pair", "trio"]),
+        ([A, C], ["bc", "pair", "solo", "trio"]),
         ([NodeId("ghost")], []),
     ],
 )
 def test_instances_on(nodes: list[NodeId], expected: list[str]) -> None:
     assert [i.instance_id for i in instances_on(ALL, nodes)] == expected
     assert [i.instance_id for i in instances_on(ALL, iter(nodes))] == expected
+
+
+@pytest.mark.parametrize(
+    ("current", "damaged", "served"),
+    [
+        (state((SOLO, {})), [], False),
+        (state((SOLO, {}), (PAIR, {})), [], True),  # same model elsewhere
+        (state((SOLO, {}), (PAIR, {})), ["pair"], False),  # lost too
+        (state((SOLO, {}), (PAIR, {A: "failed"})), [], False),  # failed: serves nothing
+        (state((SOLO, {}), (TRIO_N, {})), [], False),  # another model
+    ],
+)
+def test_still_served(current: State, damaged: list[str], served: bool) -> None:
+    assert still_served(current, SOLO, damaged) is served
 
 
 class Clock:
@@ -193,3 +208,9 @@ def test_refused_attempts_do_not_extend_the_window(clock: Clock) -> None:
     assert kinds(rec.commands(PAIR, still_listed=False, available_nodes=3)) == [
         ("place_instance", M)
     ]
+
+
+def test_a_model_still_served_is_only_deleted(clock: Clock) -> None:
+    rec = Recovery()
+    assert kinds(rec.commands(SOLO, True, 3, served=True)) == [("delete_instance", "solo")]
+    assert rec.commands(SOLO, False, 3, served=True) == []

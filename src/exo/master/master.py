@@ -20,7 +20,7 @@ import anyio
 from loguru import logger
 
 from exo.master.commands import decide
-from exo.master.recovery import Recovery, broken_instances, instances_on
+from exo.master.recovery import Recovery, broken_instances, instances_on, still_served
 from exo.shared.event_store import EventLogUnavailable, EventStore, now_ms, with_ids
 from exo.shared.types.commands import Command, CommandRejected
 from exo.shared.types.events import (
@@ -190,9 +190,9 @@ class Master:
                     logger.warning(f"master duties put off: {error}")
 
     def tend(self) -> None:
-        """One round of duties: time out silent nodes, then place again every
-        instance that lost a rank (to a timeout, a node the link lost, or a
-        failed runner)."""
+        """One round of duties: time out silent nodes, then delete every instance
+        that lost a rank (to a timeout, a node the link lost, or a failed runner)
+        and place its model again unless another instance still serves it."""
         before = self._store.state
         heard = self._heard_ms() if self._heard_ms else {}
         gone = timed_out_nodes(before, now_ms(), self._node_timeout_ms, self.node_id, heard)
@@ -208,10 +208,12 @@ class Master:
             damaged[instance.instance_id] = (instance, True)
         available = _accepting_nodes(self._placeable_state())
         for instance, listed in damaged.values():
+            served = still_served(state, instance, damaged)
             logger.warning(
-                f"instance {instance.instance_id} of {instance.model_id} lost a rank; placing it again"
+                f"instance {instance.instance_id} of {instance.model_id} lost a rank; "
+                + ("another instance still serves it" if served else "placing it again")
             )
-            for command in self._recovery.commands(instance, listed, available):
+            for command in self._recovery.commands(instance, listed, available, served):
                 try:
                     self.execute(uuid.uuid4().hex, self.node_id, command)
                 except CommandRejected as error:

@@ -1,7 +1,9 @@
 """The master re-places instances that lost a rank: a ring of runners cannot
-heal itself (its group is gone), so the instance is deleted and placed again
-on the nodes that are left, with the request it was placed with, if the model
-still fits."""
+heal itself (its group is gone), and a node that died takes its single-rank
+instances with it, so the instance is deleted and its model placed again on the
+nodes that are left, with the request it was placed with, if the model still
+fits and no other instance of it is left (each node started with `--model`
+serves its own: one node's death leaves the others serving)."""
 
 import time
 from collections.abc import Iterable
@@ -27,11 +29,21 @@ def broken_instances(state: State) -> list[Instance]:
 
 
 def instances_on(state: State, nodes: Iterable[NodeId]) -> list[Instance]:
-    """Multi-rank instances with a rank on one of `nodes`."""
+    """Instances with a rank on one of `nodes`."""
     gone = set(nodes)
-    return [
-        i for _, i in sorted(state.instances.items()) if len(i.ranks) > 1 and gone & set(i.node_ids)
-    ]
+    return [i for _, i in sorted(state.instances.items()) if gone & set(i.node_ids)]
+
+
+def still_served(state: State, instance: Instance, damaged: Iterable[str]) -> bool:
+    """Whether an instance of `instance`'s model other than the `damaged` ones
+    is left, and not failed."""
+    lost = {instance.instance_id, *damaged}
+    return any(
+        other.model_id == instance.model_id
+        and other.instance_id not in lost
+        and state.instance_status(other) != "failed"
+        for other in state.instances.values()
+    )
 
 
 def replacement(instance: Instance, available_nodes: int) -> PlaceInstance:
@@ -50,16 +62,18 @@ class Recovery:
     _history: dict[ModelId, list[float]] = field(default_factory=dict)
 
     def commands(
-        self, instance: Instance, still_listed: bool, available_nodes: int
+        self, instance: Instance, still_listed: bool, available_nodes: int, served: bool = False
     ) -> list[Command]:
         """Delete `instance` (when the state still lists it) and place its model
-        again on `available_nodes` nodes at most, unless it was re-placed too
-        often lately."""
-        now = time.monotonic()
-        recent = [t for t in self._history.get(instance.model_id, []) if now - t < WINDOW_SECONDS]
+        again on `available_nodes` nodes at most, unless another instance still
+        `served` it or it was re-placed too often lately."""
         commands: list[Command] = (
             [DeleteInstance(instance_id=instance.instance_id)] if still_listed else []
         )
+        if served:
+            return commands
+        now = time.monotonic()
+        recent = [t for t in self._history.get(instance.model_id, []) if now - t < WINDOW_SECONDS]
         if len(recent) < MAX_REPLACEMENTS:
             recent.append(now)
             commands.append(replacement(instance, available_nodes))

@@ -223,7 +223,11 @@ class ContinuousBatcher:
         inputs = mx.concatenate([row.input for row in rows if row.input is not None])
         with mx.stream(DECODE_STREAM):
             logits = self._model.model(inputs[:, None], cache=self._cache)[:, -1, :]
-            drawn = [row.sampling.draw(logits[i : i + 1]) for i, row in enumerate(rows)]
+            if all(row.sampling.plain_greedy for row in rows):
+                tokens = mx.argmax(logits, axis=-1).astype(mx.int32)  # one pass for all
+                drawn = [PendingToken(tokens[i : i + 1], None, None) for i in range(len(rows))]
+            else:
+                drawn = [row.sampling.draw(logits[i : i + 1]) for i, row in enumerate(rows)]
         PendingToken.async_eval_all(drawn)
         outputs.extend(self._read_back(rows))
         for row, pending in zip(rows, drawn, strict=True):

@@ -146,6 +146,21 @@ class SamplingStep:
             else None
         )
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether the token is the argmax of the model's logits as they are, and
+        nothing is recorded: a batch's rows like this share one argmax."""
+        params = self.params
+        return (
+            params.temperature == 0
+            and not params.logprobs
+            and self._bias is None
+            and self._repetition_penalty is None
+            and not params.presence_penalty
+            and not params.frequency_penalty
+            and not self._processors
+        )
+
     def sample(self, logits: mx.array) -> SampledToken:
         return self.draw(logits).resolve()
 
@@ -158,7 +173,12 @@ class SamplingStep:
         processed = self._process(logits.reshape(1, vocab).astype(mx.float32))
         if not self.params.logprobs:
             # The choice needs no normalization; the shift keeps top-p's exp in range.
-            token = self._choose(processed - mx.max(processed, axis=-1, keepdims=True))
+            shifted = (
+                processed
+                if self.params.temperature == 0
+                else processed - mx.max(processed, axis=-1, keepdims=True)
+            )
+            token = self._choose(shifted)
             self._record(token, vocab)
             return PendingToken(token, None, None)
         logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
@@ -207,7 +227,7 @@ class SamplingStep:
         if params.min_p > 0:
             scores = apply_min_p(scores, params.min_p)
         self._key, key = mx.random.split(self._key)
-        return mx.random.categorical(scores * (1 / params.temperature), key=key).astype(mx.int32)
+        return _categorical(scores, key, mx.array(1 / params.temperature, mx.float32))
 
     def _record(self, token: mx.array, vocab: int) -> None:
         params = self.params
@@ -226,6 +246,14 @@ class SamplingStep:
             return None
         ids = mx.argpartition(-logprobs, kth=count - 1, axis=-1)[:, :count]
         return ids[0], mx.take_along_axis(logprobs, ids, axis=-1)[0]
+
+
+@mx.compile
+def _categorical(scores: mx.array, key: mx.array, inverse_temperature: mx.array) -> mx.array:
+    """A draw from softmax(scores * inverse_temperature) with `key`, as int32.
+    Compiled (as mlx-lm's sampler is): the Gumbel noise, scaling and argmax
+    over the vocabulary fuse into fewer passes than one per operation."""
+    return mx.random.categorical(scores * inverse_temperature, key=key).astype(mx.int32)
 
 
 def top_p_filter(scores: mx.array, top_p: float, bounded: bool) -> mx.array:

@@ -107,8 +107,14 @@ class Runner:
         self._active: set[str] = set()  # tasks taken and not ended
         self.pipelined = False
 
-    def send(self, message: FromRunner) -> None:
+    def send(self, message: FromRunner, flush: bool = True) -> None:
+        """Write `message`; `flush=False` leaves it buffered for a later send or
+        `flush` (a batch step's messages go out in one write)."""
         self._out.write(message.model_dump_json() + "\n")
+        if flush:
+            self._out.flush()
+
+    def flush(self) -> None:
         self._out.flush()
 
     def _drain_inbox(self) -> bool:
@@ -439,32 +445,33 @@ class Runner:
                 task = tasks[task_id]
                 if isinstance(output, PromptProgress):
                     self.send(
-                        PrefillProgress(task_id=task.task_id, done=output.done, total=output.total)
+                        PrefillProgress(task_id=task.task_id, done=output.done, total=output.total),
+                        flush=False,
                     )
                 elif isinstance(output, GenerationFailed):
                     error = output.error
                     logger.opt(exception=error).error(f"task {task_id} failed")
                     end(task, f"{type(error).__name__}: {error}")
                 else:
-                    self._send_output(task, output)
+                    self._send_output(task, output, flush=False)
                     if isinstance(output, GenerationDone):
                         end(task)
+            self.flush()
 
-    def _send_output(self, task: Generate, output: "GenerationOutput") -> None:
+    def _send_output(self, task: Generate, output: "GenerationOutput", flush: bool = True) -> None:
         from exo.engine.mlx.generate import TextDelta
 
         if isinstance(output, TextDelta):
             logprobs = SampledLogprobs(tokens=output.logprobs) if task.params.logprobs else None
-            self.send(Chunk(task_id=task.task_id, text=output.text, logprobs=logprobs))
+            self.send(Chunk(task_id=task.task_id, text=output.text, logprobs=logprobs), flush)
         else:
-            self.send(
-                Finished(
-                    task_id=task.task_id,
-                    finish_reason=output.finish_reason,
-                    usage=output.usage,
-                    stop_sequence=output.stop_sequence,
-                )
+            finished = Finished(
+                task_id=task.task_id,
+                finish_reason=output.finish_reason,
+                usage=output.usage,
+                stop_sequence=output.stop_sequence,
             )
+            self.send(finished, flush)
 
 
 def _read_stdin(inbox: "queue.Queue[ToRunner | None]") -> None:
