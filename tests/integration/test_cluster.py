@@ -148,7 +148,9 @@ def test_chat_through_another_node_and_timeout_of_a_silent_node(
         m.id for m in openai.OpenAI(base_url=f"{relay.base_url}/v1", api_key="x").models.list().data
     ] == [tiny_model_dir.name]
 
-    # The serving node stops answering (frozen, not dead): it is timed out, with its instance.
+    # The serving node stops answering (frozen, not dead): its instance goes when
+    # the link loses it (no other node runs a worker to take the model), and
+    # the node is timed out.
     serving_id = serving.get("/node_id")
     serving.process.send_signal(signal.SIGSTOP)
     try:

@@ -385,3 +385,29 @@ def test_a_lost_instance_whose_model_another_instance_serves_is_only_deleted(
     del heard[B]
     master.tend()
     assert list(store.state.instances) == [on_c.instance_id]
+
+
+def test_a_model_no_survivor_can_take_comes_back_with_its_node(tmp_path: Path) -> None:
+    heard = {B: 0, C: 0}
+    store, master = cluster(tmp_path, heard=heard)
+    no_worker = telemetry(8).model_copy(update={"accepts_instances": False})
+    store.index(
+        B,
+        [
+            ("card", ModelCardPublished(card=CARD)),
+            ("alone", InstanceCreated(instance=ALONE)),
+            ("no-worker-a", NodeTelemetryReported(node_id=A, telemetry=no_worker)),
+            ("no-worker-c", NodeTelemetryReported(node_id=C, telemetry=no_worker)),
+        ],
+    )
+    del heard[B]  # B is frozen: no other node runs a worker
+    master.tend()
+    assert not store.state.instances  # deleted, and the placement again refused
+    master.tend()
+    assert not store.state.instances
+    heard[B] = 0  # heard again: the model is placed on it
+    master.tend()
+    [again] = store.state.instances.values()
+    assert again.node_ids == (B,) and again.instance_id != ALONE.instance_id
+    master.tend()
+    assert list(store.state.instances) == [again.instance_id]  # placed once

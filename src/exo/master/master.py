@@ -22,7 +22,7 @@ from loguru import logger
 from exo.master.commands import decide
 from exo.master.recovery import Recovery, broken_instances, instances_on, still_served
 from exo.shared.event_store import EventLogUnavailable, EventStore, now_ms, with_ids
-from exo.shared.types.commands import Command, CommandRejected
+from exo.shared.types.commands import Command, CommandRejected, PlaceInstance
 from exo.shared.types.events import (
     DownloadProgressed,
     DownloadRemoved,
@@ -192,7 +192,9 @@ class Master:
     def tend(self) -> None:
         """One round of duties: time out silent nodes, then delete every instance
         that lost a rank (to a timeout, a node the link lost, or a failed runner)
-        and place its model again unless another instance still serves it."""
+        and place its model again unless another instance still serves it; a
+        model no node could take is tried again each round (for the recovery
+        window), so it comes back with the first node that can hold it."""
         before = self._store.state
         heard = self._heard_ms() if self._heard_ms else {}
         gone = timed_out_nodes(before, now_ms(), self._node_timeout_ms, self.node_id, heard)
@@ -218,6 +220,15 @@ class Master:
                     self.execute(uuid.uuid4().hex, self.node_id, command)
                 except CommandRejected as error:
                     logger.warning(f"cannot place {instance.model_id} again: {error}")
+                    if isinstance(command, PlaceInstance):
+                        self._recovery.unplaced(instance)
+        for command in self._recovery.retries(self._store.state, available):
+            try:
+                self.execute(uuid.uuid4().hex, self.node_id, command)
+            except CommandRejected:
+                continue  # still no room: the next round tries again
+            logger.info(f"{command.model_id} placed again, now that a node can take it")
+            self._recovery.placed(command.model_id)
 
     def _broken_long_enough(self, state: State) -> list[Instance]:
         """The instances with a failed rank that have been so for the grace."""

@@ -60,6 +60,25 @@ def replacement(instance: Instance, available_nodes: int) -> PlaceInstance:
 @dataclass
 class Recovery:
     _history: dict[ModelId, list[float]] = field(default_factory=dict)
+    # Models whose placement again found no room: (the lost instance, since when).
+    _unplaced: dict[ModelId, tuple[Instance, float]] = field(default_factory=dict)
+
+    def unplaced(self, instance: Instance) -> None:
+        """Placing `instance`'s model again was refused (no node could take it):
+        `retries` offers it again for a while, e.g. until its node is back."""
+        self._unplaced.setdefault(instance.model_id, (instance, time.monotonic()))
+
+    def placed(self, model_id: ModelId) -> None:
+        self._unplaced.pop(model_id, None)
+
+    def retries(self, state: State, available_nodes: int) -> list[PlaceInstance]:
+        """The placements to try again: models refused within the window that no
+        instance serves meanwhile."""
+        now = time.monotonic()
+        for model_id, (instance, since) in list(self._unplaced.items()):
+            if now - since >= WINDOW_SECONDS or still_served(state, instance, ()):
+                del self._unplaced[model_id]
+        return [replacement(i, available_nodes) for i, _ in self._unplaced.values()]
 
     def commands(
         self, instance: Instance, still_listed: bool, available_nodes: int, served: bool = False
