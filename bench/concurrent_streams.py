@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 from exo_node import (
+    MODEL_ID,
     CpuMeter,
     StreamResult,
     float32_copy,
@@ -241,13 +242,12 @@ def main() -> int:
         with start_node(models) as node, ExitStack() as stack:
             tokenizer = AutoTokenizer.from_pretrained(str(node.model_dir))
             no_eos = {str(tokenizer.eos_token_id): -100.0}
-            model = "SmolLM2-135M-Instruct"
             servers = [
-                Server("exo", node.base_url, model, lambda i: {}),
+                Server("exo", node.base_url, MODEL_ID, lambda i: {}),
                 Server(
                     "exo seeded",
                     node.base_url,
-                    model,
+                    MODEL_ID,
                     lambda i: {"temperature": 0.7, "top_p": SAMPLED_TOP_P, "seed": 1000 + i},
                 ),
             ]
