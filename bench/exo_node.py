@@ -63,15 +63,17 @@ def launch_exo(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         )
 
 
-def stop_exo(process: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT_SECONDS) -> int | None:
-    """SIGINT, a bounded wait, then SIGKILL of the node's process group (the node
-    and its runners); the exit code, None if it would not die."""
+def stop_exo(
+    process: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT_SECONDS, name: str = "exo"
+) -> int | None:
+    """SIGINT, a bounded wait, then SIGKILL of the process group (a node and its
+    runners, or the server `name`); the exit code, None if it would not die."""
     if process.poll() is None:
         process.send_signal(signal.SIGINT)
         try:
             process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            print(f"exo did not stop within {timeout:.0f}s after SIGINT; killing it")
+            print(f"{name} did not stop within {timeout:.0f}s after SIGINT; killing it")
     with suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
     try:
@@ -371,5 +373,7 @@ def mlx_lm_server(model_dir: Path, work: Path) -> Iterator[tuple[str, int]]:
                 time.sleep(0.5)
         yield base_url, process.pid
     finally:
-        stop_exo(process)
+        # Its generation thread keeps it alive after SIGINT: it is killed at the
+        # deadline, which a short one keeps from slowing the bench's exit.
+        stop_exo(process, timeout=3, name="mlx_lm.server")
         log.close()

@@ -200,3 +200,50 @@ def test_a_cancelled_request_leaves_the_others_going(
     assert batch.cancel("r0")
     assert not batch.cancel("unknown")
     assert reply(early + drain(batch)["r2"]) == expected
+
+
+def test_a_burst_of_new_requests_is_read_together(
+    smollm: tuple[nn.Module, TokenizerWrapper],
+) -> None:
+    """Prompts that arrive together are read in one forward pass and their first
+    tokens drawn in one decode step: after one step each has its first text."""
+    _, tokenizer = smollm
+    batch = batcher(smollm)
+    prompts = {f"r{n}": chat(tokenizer, q) for n, q in enumerate(QUESTIONS)}
+    for task_id, tokens in prompts.items():
+        batch.add(task_id, tokens, GREEDY)
+    first_step: dict[str, list[BatchOutput]] = {}
+    for task_id, output in batch.step():
+        first_step.setdefault(task_id, []).append(output)
+    assert batch.batch_size == len(prompts)
+    for task_id, tokens in prompts.items():
+        outputs = first_step[task_id]
+        read = [o for o in outputs if isinstance(o, PromptProgress)]
+        assert read[-1].done == read[-1].total == len(tokens) - 1
+        assert any(isinstance(o, TextDelta) and o.text for o in outputs)
+
+
+def test_cached_and_fresh_prompts_read_together_reply_as_each_alone(
+    smollm: tuple[nn.Module, TokenizerWrapper],
+) -> None:
+    """Rows restored from the prefix cache and rows read from scratch, of
+    different lengths, share one read (left- and right-padded): the replies of
+    the one-at-a-time loop."""
+    model, tokenizer = smollm
+    prompts = [chat(tokenizer, q) for q in QUESTIONS[:3]]
+    one_at_a_time = TextGenerator(LocalModel(model, tokenizer), tokenizer, None)
+    expected = [
+        "".join(o.text for o in one_at_a_time.generate(tokens, GREEDY) if isinstance(o, TextDelta))
+        for tokens in prompts
+    ]
+    cache = KVPrefixCache(1 << 30)
+    batch = batcher(smollm, cache)
+    batch.add("warm", prompts[0], GenerationParams(max_tokens=1, temperature=0))
+    drain(batch)
+    for n, tokens in enumerate(prompts):
+        batch.add(f"r{n}", tokens, GREEDY)
+    together = drain(batch)
+    for n, want in enumerate(expected):
+        assert reply(together[f"r{n}"])[0] == want
+    assert reply(together["r0"])[1].usage.cached_tokens == len(prompts[0]) - 1
+    assert reply(together["r1"])[1].usage.cached_tokens < len(prompts[1]) - 1

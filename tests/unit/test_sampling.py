@@ -14,7 +14,13 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 from pydantic import ValidationError
 
 from exo.engine.mlx.load import load_for_inference
-from exo.engine.mlx.sampling import TOP_P_CANDIDATES, SampledToken, SamplingStep, top_p_filter
+from exo.engine.mlx.sampling import (
+    TOP_P_CANDIDATES,
+    SampledToken,
+    SamplingStep,
+    greedy_rows,
+    top_p_filter,
+)
 from exo.shared.types.tasks import GenerationParams
 
 FORCE = 1000.0  # a logit that wins whatever penalty applies
@@ -346,6 +352,25 @@ def test_lazy_draws_resolve_to_what_sample_returns() -> None:
         draw.async_eval()
     eager = SamplingStep(sampling)
     assert [draw.resolve() for draw in pending] == [eager.sample(mx.array(row)) for row in rows]
+
+
+def test_greedy_rows_share_one_argmax_with_their_own_biases() -> None:
+    """A batch's greedy rows, some with a `logit_bias` (which may overturn the
+    argmax), get what each row's own step draws."""
+    logits = mx.array(np.stack([random_logits(i, vocab=50) for i in range(4)]))
+    top = cast(list[int], mx.argmax(logits, axis=-1).tolist())
+    biases: list[dict[int, float]] = [{}, {top[1]: -100.0}, {7: 100.0, 9: 50.0}, {top[3]: 1.0}]
+    steps = [SamplingStep(params(temperature=0, logit_bias=bias)) for bias in biases]
+    assert all(step.plain_greedy for step in steps)
+    batched = [draw.resolve().token for draw in greedy_rows(logits, steps)]
+    alone = [
+        SamplingStep(params(temperature=0, logit_bias=bias)).sample(logits[i])
+        for i, bias in enumerate(biases)
+    ]
+    assert batched == [sampled.token for sampled in alone]
+    assert batched[0] == top[0] and batched[1] != top[1] and batched[2] == 7
+    with pytest.raises(ValueError, match="logit_bias names a token id >= 50"):
+        greedy_rows(logits[:1], [SamplingStep(params(temperature=0, logit_bias={50: 1.0}))])
 
 
 @pytest.mark.parametrize(

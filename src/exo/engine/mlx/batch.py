@@ -2,9 +2,18 @@
 
 Each `step()` is a bounded piece of work: prompt reading worth one prefill chunk
 (a chunk of the oldest request still reading its prompt, or the short prompts
-of several, each with its first token once read), then one decode step of every
-request in the batch. A new request's prompt is thus read between
-decode steps, and its first token never waits for other replies to end.
+of several read together in one forward pass, right-padded as mlx-lm's
+`BatchGenerator` reads them), then one decode step of every request in the
+batch. A new request's prompt is thus read between decode steps, and its first
+token never waits for other replies to end.
+
+A request whose prompt is read joins the batch with its last prompt token as
+its next input: the decode step draws its first token along with the other
+rows' next ones (one forward pass for a burst of new requests, not one each),
+and that step's tokens are read back at once so the first token goes out
+without waiting for a further step. Caches that cannot be cut back need a
+checkpoint of the prompt before the reply: such a request draws its first
+token on its own, as the one-at-a-time loop does, and stores it first.
 
 Per request, as in the one-at-a-time loop (`generate.TextGenerator`, whose
 prefill, checkpoints and cache stores this reuses): its prefix-cache restore and
@@ -35,8 +44,8 @@ from exo.engine.mlx.generate import (
     TextGenerator,
     TextStream,
 )
-from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache
-from exo.engine.mlx.sampling import PendingToken, SamplingStep
+from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, needs_checkpoints
+from exo.engine.mlx.sampling import PendingToken, SamplingStep, greedy_rows
 from exo.shared.types.tasks import GenerationParams
 
 # How many requests decode together at most (the node's admission control
@@ -71,6 +80,9 @@ class _Request:
     layers: list[LayerCache]  # its own cache, until it joins the batch
     sampling: SamplingStep
     stream: TextStream
+    # Its caches cannot be cut back: its prompt is read on its own (with the
+    # system prompt's checkpoint) and a checkpoint stored before its reply.
+    checkpoints: bool
     read: int = 0  # prompt tokens in its cache (restored or prefilled)
     generated: list[int] = field(default_factory=list[int])
     # In the batch: the token its next decode step feeds in, and the token drawn
@@ -123,6 +135,7 @@ class ContinuousBatcher:
             layers=layers,
             sampling=request_sampling(params, tokens, generator.tokenizer),
             stream=TextStream(generator.tokenizer, params, len(tokens), match.usable),
+            checkpoints=generator.prefix_cache is not None and needs_checkpoints(layers),
             read=match.usable,
         )
         self._chunks[task_id] = generator.prefill_chunks(
@@ -155,6 +168,16 @@ class ContinuousBatcher:
         outputs: list[tuple[str, BatchOutput]] = []
         budget = self._generator.prefill_step_tokens
         while self._reading and len(self._rows) < self.max_batch and budget > 0:
+            group = self._short_prompts(budget)
+            if group:
+                budget -= max(1, sum(len(r.tokens) - 1 - r.read for r in group))
+                for _ in group:
+                    self._chunks.pop(self._reading.popleft().task_id, None)
+                try:
+                    outputs.extend(self._read_together(group))
+                except Exception as error:
+                    outputs.extend((r.task_id, GenerationFailed(error)) for r in group)
+                continue
             request = self._reading[0]
             before = request.read
             try:
@@ -173,9 +196,53 @@ class ContinuousBatcher:
                 self._rows, self._cache = [], []
         return outputs
 
+    def _short_prompts(self, budget: int) -> list[_Request]:
+        """The oldest reading requests whose prompts' rest fits in `budget`
+        together (and in the batch), to read in one forward pass; none when the
+        oldest one's does not (it is read a chunk at a time)."""
+        group: list[_Request] = []
+        room, total = self.max_batch - len(self._rows), 0
+        for request in self._reading:
+            rest = len(request.tokens) - 1 - request.read
+            if len(group) == room or request.checkpoints or total + rest > budget:
+                break
+            group.append(request)
+            total += rest
+        return group
+
+    def _read_together(self, group: list[_Request]) -> list[tuple[str, BatchOutput]]:
+        """The rest of each prompt but its last token, all in one forward pass
+        (right-padded to the longest; each row's cache, restored or empty, merged
+        into a batch cache left-padded to the longest), then they join the batch."""
+        rests = [list(r.tokens[r.read : -1]) for r in group]
+        lengths = [len(rest) for rest in rests]
+        longest = max(lengths)
+        merged = [
+            type(layers[0]).merge(list(layers))
+            for layers in zip(*(r.layers for r in group), strict=True)
+        ]
+        if longest:
+            padding = [longest - length for length in lengths]
+            for layer in merged:
+                layer.prepare(lengths=lengths, right_padding=padding)
+            inputs = mx.array([rest + [0] * pad for rest, pad in zip(rests, padding, strict=True)])
+            self._model.model(inputs, cache=merged)
+            for layer in merged:
+                layer.finalize()
+            mx.eval([layer.state for layer in merged])
+        outputs: list[tuple[str, BatchOutput]] = []
+        for request in group:
+            request.read = len(request.tokens) - 1
+            request.layers = []
+            request.input = mx.array([request.tokens[-1]], dtype=mx.int32)
+            outputs.append((request.task_id, PromptProgress(request.read, request.read)))
+        self._add_rows(group, merged)
+        return outputs
+
     def _read(self, request: _Request) -> list[BatchOutput]:
-        """The next prefill chunk of `request`; once its prompt is read, its first
-        token, and then it joins the batch (or ends)."""
+        """The next prefill chunk of `request`; once its prompt is read, it joins
+        the batch (a request storing a prompt checkpoint draws its first token
+        first, and may end there)."""
         tokens, layers = request.tokens, request.layers
         outputs: list[BatchOutput] = []
         done = next(self._chunks[request.task_id], None)
@@ -186,6 +253,10 @@ class ContinuousBatcher:
                 return outputs
         self._reading.popleft()
         del self._chunks[request.task_id]
+        if not request.checkpoints:
+            request.input = mx.array([tokens[-1]], dtype=mx.int32)
+            self._join(request)
+            return outputs
         logits = self._model.model(mx.array([[tokens[-1]]]), cache=layers)[:, -1, :]
         first = request.sampling.sample(logits)
         request.read = len(tokens)
@@ -195,19 +266,23 @@ class ContinuousBatcher:
         if request.stream.finished:
             self._generator.store_reply(tokens, request.generated, layers)
         else:
+            request.input = mx.array([first.token], dtype=mx.int32)
             self._join(request)
         return outputs
 
     def _join(self, request: _Request) -> None:
         merged = [type(layer).merge([layer]) for layer in request.layers]
-        if not self._rows:
-            self._cache = merged
-        else:
-            for mine, theirs in zip(self._cache, merged, strict=True):
-                mine.extend(theirs)
         request.layers = []
-        request.input = mx.array([request.generated[-1]], dtype=mx.int32)
-        self._rows.append(request)
+        self._add_rows([request], merged)
+
+    def _add_rows(self, requests: list[_Request], cache: list[LayerCache]) -> None:
+        """`requests` join the batch; `cache` holds their rows, in their order."""
+        if not self._rows:
+            self._cache = cache
+        else:
+            for mine, theirs in zip(self._cache, cache, strict=True):
+                mine.extend(theirs)
+        self._rows.extend(requests)
 
     def _decode(self) -> list[tuple[str, BatchOutput]]:
         outputs: list[tuple[str, BatchOutput]] = []
@@ -224,14 +299,17 @@ class ContinuousBatcher:
         with mx.stream(DECODE_STREAM):
             logits = self._model.model(inputs[:, None], cache=self._cache)[:, -1, :]
             if all(row.sampling.plain_greedy for row in rows):
-                tokens = mx.argmax(logits, axis=-1).astype(mx.int32)  # one pass for all
-                drawn = [PendingToken(tokens[i : i + 1], None, None) for i in range(len(rows))]
+                drawn = greedy_rows(logits, [row.sampling for row in rows])
             else:
                 drawn = [row.sampling.draw(logits[i : i + 1]) for i, row in enumerate(rows)]
         PendingToken.async_eval_all(drawn)
+        # Rows that fed their last prompt token: their first token is read back now.
+        new = [not row.generated for row in rows]
         outputs.extend(self._read_back(rows))
         for row, pending in zip(rows, drawn, strict=True):
             row.pending, row.input = pending, pending.token
+        if any(new):
+            outputs.extend(self._read_back([row for row, n in zip(rows, new, strict=True) if n]))
         ended = [i for i, row in enumerate(rows) if row.stream.finished]
         if ended:
             self._leave(ended, store=True)

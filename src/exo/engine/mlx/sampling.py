@@ -148,13 +148,13 @@ class SamplingStep:
 
     @property
     def plain_greedy(self) -> bool:
-        """Whether the token is the argmax of the model's logits as they are, and
-        nothing is recorded: a batch's rows like this share one argmax."""
+        """Whether the token is the argmax of the model's logits plus at most a
+        `logit_bias`, and nothing is recorded: a batch's rows like this share one
+        argmax (`greedy_rows`)."""
         params = self.params
         return (
             params.temperature == 0
             and not params.logprobs
-            and self._bias is None
             and self._repetition_penalty is None
             and not params.presence_penalty
             and not params.frequency_penalty
@@ -190,14 +190,17 @@ class SamplingStep:
             alternatives=self._alternatives(logprobs),
         )
 
+    def bias(self, vocab: int) -> tuple[mx.array, mx.array] | None:
+        """`logit_bias` as (token ids, values), checked against the vocabulary."""
+        if self._bias is not None and max(self.params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias names a token id >= {vocab}, the model's vocabulary")
+        return self._bias
+
     def _process(self, logits: mx.array) -> mx.array:
         params = self.params
         vocab = logits.shape[-1]
-        if self._bias is not None:
-            if max(params.logit_bias) >= vocab:
-                raise ValueError(f"logit_bias names a token id >= {vocab}, the model's vocabulary")
-            ids, values = self._bias
-            logits = logits.at[:, ids].add(values)
+        if (bias := self.bias(vocab)) is not None:
+            logits = logits.at[:, bias[0]].add(bias[1])
         if self._repetition_penalty is not None and self._recent.size:
             penalty = self._repetition_penalty
             recent = mx.zeros((vocab,), mx.float32).at[self._recent].add(1.0) > 0
@@ -246,6 +249,21 @@ class SamplingStep:
             return None
         ids = mx.argpartition(-logprobs, kth=count - 1, axis=-1)[:, :count]
         return ids[0], mx.take_along_axis(logprobs, ids, axis=-1)[0]
+
+
+def greedy_rows(logits: mx.array, steps: Sequence[SamplingStep]) -> list[PendingToken]:
+    """The tokens of a batch's rows (logits of shape (rows, vocab)) whose steps are
+    all `plain_greedy`: their biases added in one scatter, one argmax for all."""
+    biased = [
+        (row, bias) for row, step in enumerate(steps) if (bias := step.bias(logits.shape[-1]))
+    ]
+    if biased:
+        rows = mx.concatenate([mx.full(ids.shape, row, mx.int32) for row, (ids, _) in biased])
+        ids = mx.concatenate([ids for _, (ids, _) in biased])
+        values = mx.concatenate([values for _, (_, values) in biased])
+        logits = logits.astype(mx.float32).at[rows, ids].add(values)
+    tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+    return [PendingToken(tokens[i : i + 1], None, None) for i in range(len(steps))]
 
 
 @mx.compile
