@@ -230,10 +230,11 @@ def test_cached_and_fresh_prompts_read_together_reply_as_each_alone(
     different lengths, share one read (left- and right-padded): the replies of
     the one-at-a-time loop."""
     model, tokenizer = smollm
+    short = GenerationParams(max_tokens=12, temperature=0)
     prompts = [chat(tokenizer, q) for q in QUESTIONS[:3]]
     one_at_a_time = TextGenerator(LocalModel(model, tokenizer), tokenizer, None)
     expected = [
-        "".join(o.text for o in one_at_a_time.generate(tokens, GREEDY) if isinstance(o, TextDelta))
+        "".join(o.text for o in one_at_a_time.generate(tokens, short) if isinstance(o, TextDelta))
         for tokens in prompts
     ]
     cache = KVPrefixCache(1 << 30)
@@ -241,7 +242,7 @@ def test_cached_and_fresh_prompts_read_together_reply_as_each_alone(
     batch.add("warm", prompts[0], GenerationParams(max_tokens=1, temperature=0))
     drain(batch)
     for n, tokens in enumerate(prompts):
-        batch.add(f"r{n}", tokens, GREEDY)
+        batch.add(f"r{n}", tokens, short)
     together = drain(batch)
     for n, want in enumerate(expected):
         assert reply(together[f"r{n}"])[0] == want
