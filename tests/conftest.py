@@ -5,11 +5,18 @@ import pytest
 
 from exo.models.builtin import DEFAULT_MODEL_ID, ensure_default_model
 from exo.models.store import model_dir
+from tests import OPENBLAS_IN_PROCESS
 from tests.model_factory import make_tiny_llama
 
 # Tests never reach the real Hugging Face hub (nodes they start inherit this);
 # the hub tests point HF_ENDPOINT at a local fake hub and unset it.
 os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def pytest_report_header() -> str:
+    if OPENBLAS_IN_PROCESS:
+        return "in-process MLX: OpenBLAS"
+    return "in-process MLX: reference BLAS (~8x slower; install libgfortran5 for OpenBLAS)"
 
 
 @pytest.fixture(scope="session")

@@ -787,8 +787,10 @@ def test_partial_hit_restore_matches_cold_prefill_exactly(
 
     cold_tokens, cold_rows = greedy(model, make_prompt_cache(model), prompt, 8)
     assert warm_tokens == cold_tokens
+    # OpenBLAS's summation order depends on the row count, so a prompt read in
+    # one pass and one read after a restore agree to rounding, not bit for bit.
     for warm, cold in zip(warm_rows, cold_rows, strict=True):
-        assert np.array_equal(warm, cold)
+        np.testing.assert_allclose(warm, cold, rtol=1e-5, atol=1e-5)
 
 
 def sliding_window_cache(model: nn.Module, window: int) -> list[LayerCache]:

@@ -25,6 +25,24 @@ def openblas_library() -> Path | None:
     return find_package_file("cmeel-openblas", lambda name: name == "libopenblas.so.0")
 
 
+def load_openblas_here() -> bool:
+    """Make this process's MLX use OpenBLAS, for in-process model work (tests).
+
+    MLX resolves its BLAS symbols in the global scope first, so loading OpenBLAS
+    there before MLX is imported has the effect of a preload. It needs a system
+    `libgfortran.so.5` (Debian: libgfortran5): the runners' shim directory only
+    works through `LD_LIBRARY_PATH`, which is read at process start.
+    """
+    library = openblas_library()
+    if library is None or "mlx.core" in sys.modules:
+        return False
+    try:
+        ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL)
+    except OSError:
+        return False
+    return True
+
+
 def _gfortran_shim_dir(cache_dir: Path) -> Path | None:
     """A directory holding `libgfortran.so.5` (and its libquadmath) from the mlx-cpu wheel."""
     gfortran = find_package_file("mlx-cpu", lambda n: n.startswith("libgfortran-") and ".so" in n)
