@@ -9,6 +9,7 @@ const NODE_COLORS = ["#6366f1", "#0891b2", "#d97706", "#db2777", "#16a34a", "#7c
 
 export class ModelsView {
   #errors = new Map(); // instance or "node model" key -> the last action's error
+  #armed = new Set(); // models whose "Delete copy" was clicked once (kept across re-renders)
 
   constructor(cluster, elements) {
     this.cluster = cluster;
@@ -134,7 +135,9 @@ export class ModelsView {
       // DELETE /models/{id} acts on the node whose API answers: this node's copies
       // are deleted from here; another node's from its own dashboard.
       const action = here
-        ? html`<button type="button" class="small-button" data-delete-copy="${modelId}">Delete copy</button>`
+        ? this.#armed.has(modelId)
+          ? html`<button type="button" class="small-button danger" data-delete-copy="${modelId}" data-armed>Really delete?</button>`
+          : html`<button type="button" class="small-button" data-delete-copy="${modelId}">Delete copy</button>`
         : node?.api_address
           ? html`<a class="small" href="http://${node.api_address}/#models" target="_blank" rel="noopener">on its dashboard</a>`
           : "";
@@ -190,13 +193,14 @@ export class ModelsView {
     const button = event.target.closest("[data-delete-copy]");
     if (!button) return;
     const modelId = button.dataset.deleteCopy;
-    if (button.dataset.armed === undefined) {
-      // Deleting files is not undone by a click: the first click asks.
-      button.dataset.armed = "";
-      button.textContent = "Really delete?";
-      button.classList.add("danger");
+    if (!this.#armed.has(modelId)) {
+      // Deleting files is not undone by a click: the first click asks. The
+      // question lives here, not on the button, which the next state update redraws.
+      this.#armed.add(modelId);
+      this.render();
       return;
     }
+    this.#armed.delete(modelId);
     const key = `${this.cluster.nodeId} ${modelId}`;
     try {
       await api(`/models/${modelId.split("/").map(encodeURIComponent).join("/")}`, { method: "DELETE" });

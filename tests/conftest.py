@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,9 @@ from tests.model_factory import make_tiny_llama
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 
-def pytest_report_header() -> str:
+def pytest_report_header() -> str | None:
+    if not sys.platform.startswith("linux"):  # MLX uses Accelerate or Metal there
+        return None
     if OPENBLAS_IN_PROCESS:
         return "in-process MLX: OpenBLAS"
     return "in-process MLX: reference BLAS (~8x slower; install libgfortran5 for OpenBLAS)"

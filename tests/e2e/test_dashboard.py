@@ -192,6 +192,8 @@ def delete(page: Page, instance_id: str, b: NodeProcess) -> None:
     copy = page.locator(f"tr[data-model-id='{DEFAULT_MODEL_ID}'] .copy[data-node-id={b_id}]")
     expect(copy).to_have_count(1)
     copy.locator("[data-delete-copy]").click()
+    # (the question is kept across the redraws that every state update makes)
+    expect(copy.locator("[data-delete-copy][data-armed]")).to_have_text("Really delete?")
     copy.locator("[data-delete-copy]").click()  # the second click confirms
     expect(copy).to_have_count(0)
 
