@@ -18,8 +18,9 @@ servers' rounds alternate, `--repeats` times with the order rotating, and the
 median is reported, so a slow spell of the machine does not fall on one server
 only. The ratios (and the targets) are the median over the repeats of each
 repeat's own ratio: a repeat's rounds run back to back, so the machine's drift
-over the run (10 % and more on a shared VM) cancels out of them. Each round also prints the CPU time per token of each process (exo's node
-and runner; mlx_lm.server's one process).
+over the run (10 % and more on a shared VM) cancels out of them. Each round
+also prints the CPU time per token of each process (exo's node and runner;
+mlx_lm.server's one process).
 
 mlx_lm.server runs the float32 copy of the model that exo's runner runs on the
 CPU (the built-in model is a quantized GGUF, dequantized at load), with OpenBLAS

@@ -153,6 +153,9 @@ export class ModelsView {
   render() {
     const { state, instances } = this.cluster;
     if (!state) return;
+    // A question asked about a copy that has gone since is not asked again of a new one.
+    const mine = state.downloads[this.cluster.nodeId] ?? {};
+    for (const modelId of this.#armed) if (!mine[modelId]) this.#armed.delete(modelId);
     this.el.instances.innerHTML = instances.length
       ? instances.map((i) => this.#instanceCard(i).text).join("")
       : html`<p class="muted">No instance yet: place a model above.</p>`.text;
