@@ -42,9 +42,11 @@ def ask(base_url: str, max_tokens: int = 16) -> str:
     return reply.choices[0].message.content or ""
 
 
-def await_ready(base_url: str) -> None:
-    events = await_instance(base_url, MODEL)
-    assert events[-1]["status"] == "ready", events
+def await_ready(cluster: Cluster) -> None:
+    events = await_instance(cluster.nodes[0].base_url, MODEL)
+    # A ring that does not come up is told apart by the nodes' (and runners') logs.
+    logs = "\n".join(f"--- {node.base_url}\n{node.log()[-4000:]}" for node in cluster.nodes)
+    assert events[-1]["status"] == "ready", f"{events}\n{logs}"
 
 
 def test_two_ranks_answer_like_one_and_a_killed_rank_is_replaced(
@@ -60,7 +62,7 @@ def test_two_ranks_answer_like_one_and_a_killed_rank_is_replaced(
 
     # One rank on A: the reference answer.
     single = httpx.post(f"{a.base_url}/instance", json={"model_id": MODEL}, timeout=20).json()
-    await_ready(a.base_url)
+    await_ready(cluster)
     reference = ask(b.base_url)
     assert reference
     httpx.delete(f"{a.base_url}/instance/{single['instance_id']}", timeout=20)
@@ -75,7 +77,7 @@ def test_two_ranks_answer_like_one_and_a_killed_rank_is_replaced(
     assert placed.status_code == 201, placed.text
     instance = placed.json()
     assert sorted(r["node_id"] for r in instance["ranks"]) == sorted([a_id, b_id])
-    await_ready(a.base_url)
+    await_ready(cluster)
     assert ask(a.base_url) == reference
     assert ask(b.base_url) == reference
 
@@ -108,6 +110,6 @@ def test_two_ranks_answer_like_one_and_a_killed_rank_is_replaced(
         )
 
     wait_until(replaced, 30, "the instance placed again")
-    await_ready(a.base_url)
+    await_ready(cluster)
     assert ask(b.base_url) == reference
     assert victim not in runner_pids(last_rank.process.pid)
