@@ -54,10 +54,24 @@ def test_a_hub_model_is_previewed_placed_downloaded_and_served(
             )
             assert not [p for p in hub.bytes_sent if p.endswith(".safetensors")]  # no weights yet
 
+            # Held mid-download: a request for the placed model meanwhile is a
+            # 503 to retry (what openai's and anthropic's clients do), not a 404.
+            release = hub.hold_after("model-00002-of-00002.safetensors", 64 * 1024)
             placed = httpx.post(
                 f"{node.base_url}/place_instance", json={"model_id": MODEL}, timeout=30
             )
             assert placed.status_code == 201, placed.text
+            early = httpx.post(
+                f"{node.base_url}/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
+                timeout=30,
+            )
+            assert early.status_code == 503, early.text
+            assert early.headers["retry-after"] == "2"
+            error = early.json()["error"]
+            assert error["code"] == "model_not_ready"
+            assert "not ready yet" in error["message"] and MODEL in error["message"]
+            release.set()
             statuses = [e["status"] for e in await_instance(node.base_url, MODEL)]
             assert statuses[-1] == "ready", statuses
             assert "waiting" in statuses

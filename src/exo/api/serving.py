@@ -15,7 +15,7 @@ from starlette.background import BackgroundTask
 
 from exo.api.errors import APIError, stream_error_event
 from exo.api.model_alias import ModelAlias, resolve_model
-from exo.api.routing import cluster_models, remote_api_for
+from exo.api.routing import SERVING, cluster_models, remote_api_for
 from exo.shared.cluster_view import ClusterView
 from exo.shared.types.ids import ModelId
 from exo.worker.served_model import ServedModel
@@ -27,6 +27,8 @@ RELAY_CONNECT_SECONDS = 5.0
 # keep-alive periods means it is frozen (504).
 RELAY_SILENT_KEEPALIVES = 3
 DISCONNECT_POLL_SECONDS = 0.5
+# Retry-After of a request for a model whose instance is not serving yet.
+NOT_READY_RETRY_SECONDS = 2
 # Headers a relay passes on (the API's own, e.g. Anthropic's version and beta flags).
 RELAYED_HEADERS = (
     "content-type",
@@ -68,9 +70,23 @@ class ModelRouter:
         model = self.models.get(model_id)
         if model is not None:
             return model
-        remote = remote_api_for(self.cluster.state, model_id, self.cluster.node_id)
+        state = self.cluster.state
+        remote = remote_api_for(state, model_id, self.cluster.node_id)
         if remote is not None:
             return Relay(remote, model_id, self.relay_read_timeout_seconds)
+        coming = cluster_models(state).get(model_id)
+        if coming is not None and coming != "failed":
+            # Placed but not serving yet (downloading, loading, or ready a moment
+            # before this node can route to it): worth retrying, not a 404.
+            raise APIError(
+                503,
+                f"The model {name!r} is not ready yet (its instance is "
+                f"{'starting' if coming in SERVING else coming}); retry shortly",
+                "server_error",
+                "model_not_ready",
+                "model",
+                headers={"Retry-After": str(NOT_READY_RETRY_SECONDS)},
+            )
         available = ", ".join(sorted(self.served_names())) or "none"
         raise APIError(
             404,

@@ -99,6 +99,9 @@ class Worker:
         self.served: dict[ModelId, ServedModel] = {}
         self._running: dict[InstanceId, _Running] = {}
         self._announced: set[InstanceId] = set()
+        # Rank-0 runners that are ready before the API can take their requests
+        # (its tokenizer still loading): their "ready" goes out once it can.
+        self._ready_held: set[InstanceId] = set()
         self._downloads: dict[ModelId, _Download] = {}
         self._cancelling: set[ModelId] = set()
         self._have: dict[ModelId, set[str]] = {}
@@ -328,6 +331,18 @@ class Worker:
                 standby.kill()
                 await standby.wait()
 
+    def _runner_status(
+        self, running: "_Running", rank: int, status: RunnerStatus, error: str | None
+    ) -> None:
+        """A runner's status, but a rank-0 runner's "ready" only once this node's API
+        serves it: a client that sees the instance ready must not get a 404 here."""
+        instance_id = running.instance.instance_id
+        self._ready_held.discard(instance_id)
+        if status == "ready" and rank == 0 and running.served is None:
+            self._ready_held.add(instance_id)
+            return
+        self._report(running.instance, status, error)
+
     def _report(self, instance: Instance, status: RunnerStatus, error: str | None) -> None:
         self.link.publish(
             RunnerStatusChanged(
@@ -369,7 +384,7 @@ class Worker:
             self.prefix_cache_bytes,
             self.cache_dir,
             prefix_cache_disk_bytes=self.prefix_cache_disk_bytes,
-            on_status=lambda status, error: self._report(instance, status, error),
+            on_status=lambda status, error: self._runner_status(running, rank, status, error),
             standby=self._take_standby,
         )
         running = _Running(instance, None, runner)
@@ -402,14 +417,18 @@ class Worker:
         if self._running.get(instance.instance_id) is running:
             running.served = served
             self.served[instance.model_id] = served
+            if instance.instance_id in self._ready_held:
+                self._runner_status(running, rank, "ready", None)
 
     def _cannot_serve(self, instance: Instance, error: Exception) -> None:
         logger.error(f"cannot serve {instance.model_id}: {error}")
+        self._ready_held.discard(instance.instance_id)
         self._running[instance.instance_id] = _Running(instance, None)
         self._report(instance, "failed", f"{type(error).__name__}: {error}")
 
     async def _stop(self, instance_id: InstanceId) -> None:
         running = self._running.pop(instance_id)
+        self._ready_held.discard(instance_id)
         if running.runner is not None:
             logger.info(f"stopping the runner of instance {instance_id}")
             if (
