@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
+from exo.engine.mlx.backend import backend_name
 from exo.engine.mlx.cpu_gemv import GemvEmbedding, GemvLinear, use_gemv_for_one_row
 from exo.engine.mlx.load import load_for_inference
 
@@ -86,6 +87,7 @@ def test_a_model_s_plain_layers_are_swapped_keeping_their_weights() -> None:
     assert all(a is b for a, b in zip(kept, weights, strict=True))
 
 
+@pytest.mark.skipif(backend_name() != "cpu", reason="the swap is the CPU backend's")
 def test_a_loaded_model_decodes_one_row_as_mlx_matmul_does(tiny_model_dir: Path) -> None:
     """The CPU load swaps the layers in; a prompt then 12 one-row decode steps
     give the logits of the model as mlx-lm loads it, to float32 rounding."""
