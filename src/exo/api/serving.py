@@ -15,7 +15,7 @@ from starlette.background import BackgroundTask
 
 from exo.api.errors import APIError, stream_error_event
 from exo.api.model_alias import ModelAlias, resolve_model
-from exo.api.routing import SERVING, cluster_models, remote_api_for
+from exo.api.routing import cluster_models, coming_status, remote_api_for
 from exo.shared.cluster_view import ClusterView
 from exo.shared.types.ids import ModelId
 from exo.worker.served_model import ServedModel
@@ -74,14 +74,13 @@ class ModelRouter:
         remote = remote_api_for(state, model_id, self.cluster.node_id)
         if remote is not None:
             return Relay(remote, model_id, self.relay_read_timeout_seconds)
-        coming = cluster_models(state).get(model_id)
-        if coming is not None and coming != "failed":
-            # Placed but not serving yet (downloading, loading, or ready a moment
-            # before this node can route to it): worth retrying, not a 404.
+        coming = coming_status(state, model_id, self.cluster.node_id)
+        if coming is not None:
+            # Placed and on its way: worth retrying, not a 404.
+            called = repr(name) if name == model_id else f"{name!r} ({model_id})"
             raise APIError(
                 503,
-                f"The model {name!r} is not ready yet (its instance is "
-                f"{'starting' if coming in SERVING else coming}); retry shortly",
+                f"The model {called} is not ready yet (its instance is {coming}); retry shortly",
                 "server_error",
                 "model_not_ready",
                 "model",

@@ -14,6 +14,16 @@ a batch of requests) keep MLX's matmul. The input is evaluated first, one wait
 per distinct input (q, k and v share theirs, as gate and up do), ~50 µs each;
 the waits cost less than the packing saved (a one-row step of the built-in
 model: 55-59 ms instead of 59-63 ms).
+
+Consequences for callers:
+- A one-row forward pass runs as it is built, so a decode loop cannot overlap
+  it with handing out the previous token; such loops hand the token out first
+  (`eager_one_row`).
+- `sgemv` sums in another order than `sgemm`: a row's logits alone and in a
+  batch agree to float32 rounding (~1e-4), not bit for bit, so a greedy
+  near-tie may resolve differently alone and batched.
+- The layers are for inference: `mx.grad` sees no gradient through the numpy
+  product, and `mx.compile` or `mx.vmap` of a one-row call raises.
 """
 
 from typing import Any
@@ -34,7 +44,9 @@ class _WeightView:
     def of(self, weight: mx.array) -> np.ndarray[Any, np.dtype[np.float32]]:
         if self._view is None or self._weight is not weight:
             mx.eval(weight)
-            self._weight, self._view = weight, np.asarray(weight)
+            view = np.asarray(weight)
+            view.flags.writeable = False  # MLX's memory: never written from here
+            self._weight, self._view = weight, view
         return self._view
 
 
@@ -93,3 +105,9 @@ def use_gemv_for_one_row(model: nn.Module) -> nn.Module:
     if replaced:
         model.update_modules(tree_unflatten(replaced))
     return model
+
+
+def eager_one_row(model: nn.Module) -> bool:
+    """Whether `model`'s one-row forward pass runs as it is built (its layers are
+    the ones above)."""
+    return any(isinstance(m, GemvLinear | GemvEmbedding) for m in model.modules())
