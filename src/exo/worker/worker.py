@@ -377,6 +377,7 @@ class Worker:
         except Exception as error:  # any failure to prepare the model is the runner's failure
             self._cannot_serve(instance, error)
             return
+        running = _Running(instance, None)
         runner = RunnerSupervisor(
             instance,
             rank,
@@ -387,7 +388,7 @@ class Worker:
             on_status=lambda status, error: self._runner_status(running, rank, status, error),
             standby=self._take_standby,
         )
-        running = _Running(instance, None, runner)
+        running.runner = runner
         self._running[instance.instance_id] = running
         self._runner_started_at = time.monotonic()
 
