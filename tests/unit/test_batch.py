@@ -248,3 +248,35 @@ def test_cached_and_fresh_prompts_read_together_reply_as_each_alone(
         assert reply(together[f"r{n}"])[0] == want
     assert reply(together["r0"])[1].usage.cached_tokens == len(prompts[0]) - 1
     assert reply(together["r1"])[1].usage.cached_tokens < len(prompts[1]) - 1
+
+
+def test_a_lone_row_on_the_cpu_hands_out_each_token_in_the_step_that_drew_it(
+    smollm: tuple[nn.Module, TokenizerWrapper],
+) -> None:
+    """One row's forward runs as it is built on the CPU (`cpu_gemv`): every step
+    hands out the token it computed, none later, and the reply is the same as
+    with the one-step-ahead loop."""
+    tokenizer = smollm[1]
+    tokens = chat(tokenizer, QUESTIONS[1])
+    params = GenerationParams(
+        max_tokens=12, temperature=0, logit_bias={tokenizer.eos_token_id: -100.0}
+    )
+    batch = batcher(smollm)
+    assert batch._model.eager_one_row  # pyright: ignore[reportPrivateUsage]
+    batch.add("lone", tokens, params)
+    outputs: list[BatchOutput] = []
+    while not batch.idle:
+        step = [o for _, o in batch.step() if not isinstance(o, PromptProgress)]
+        outputs += step
+        if batch.idle:
+            break
+        deltas = [o for o in step if isinstance(o, TextDelta)]
+        assert len(deltas) == 1, step  # not a step without a token
+        [row] = batch._rows  # pyright: ignore[reportPrivateUsage]
+        # The token just handed out has not been fed to the model yet.
+        fed = int(batch._cache[0].offset[0].item())  # pyright: ignore[reportPrivateUsage]
+        assert fed == len(tokens) + len(row.generated) - 1
+    lagging = batcher(smollm)
+    lagging._model.eager_one_row = False  # pyright: ignore[reportPrivateUsage]
+    lagging.add("lone", tokens, params)
+    assert reply(outputs) == reply(drain(lagging)["lone"])

@@ -231,3 +231,25 @@ def test_top_k_one_is_greedy(tiny: tuple[nn.Module, TokenizerWrapper], seed: int
     greedy = run(tiny, tokens, GenerationParams(max_tokens=10, temperature=0))[0]
     top_one = GenerationParams(max_tokens=10, temperature=1.5, top_k=1, top_p=0.9, seed=seed)
     assert run(tiny, tokens, top_one)[0] == greedy
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_decode_hands_out_a_token_before_computing_the_next_when_the_forward_is_eager(
+    tiny: tuple[nn.Module, TokenizerWrapper], eager: bool
+) -> None:
+    """On the CPU one row's forward runs as it is built (`cpu_gemv`): the loop hands
+    each token out before it feeds it to the model; else it feeds it first, so the
+    next step computes while the token goes out."""
+    model, tokenizer = tiny
+    forward = LocalModel(model, tokenizer)
+    forward.eager_one_row = eager
+    tokens = prompt(20)
+    layers = forward.make_cache()
+    with forward.request(tokens, GREEDY, 0, PrefixMatch(None, 0, len(tokens))):
+        forward.prefill(tokens[:-1], layers)
+        first = forward.next_token(tokens[-1], layers)
+        fed: list[int] = []
+        for _ in forward.decode(first.token, layers, 5):
+            fed.append(layers[0].offset - len(tokens))
+    # The n-th token out (after `first`) came from feeding the one before it.
+    assert fed == ([1, 2, 3, 4, 5] if eager else [2, 3, 4, 5, 5])

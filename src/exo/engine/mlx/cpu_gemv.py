@@ -16,9 +16,10 @@ the waits cost less than the packing saved (a one-row step of the built-in
 model: 55-59 ms instead of 59-63 ms).
 
 Consequences for callers:
-- A one-row forward pass runs as it is built, so a decode loop that computes
-  a step ahead (to put a reply's last token in the KV cache before storing it)
-  hands each token out once the next step is computed, not while it computes.
+- A one-row forward pass runs as it is built, so a decode loop cannot overlap
+  it with handing out the previous token; such loops hand the token out first
+  (`eager_one_row`), and a reply's last token is then never fed in: the stored
+  reply stops before it.
 - `sgemv` sums in another order than `sgemm`: a row's logits alone and in a
   batch agree to float32 rounding (~1e-4), not bit for bit, so a greedy
   near-tie may resolve differently alone and batched.
@@ -105,3 +106,9 @@ def use_gemv_for_one_row(model: nn.Module) -> nn.Module:
     if replaced:
         model.update_modules(tree_unflatten(replaced))
     return model
+
+
+def eager_one_row(model: nn.Module) -> bool:
+    """Whether `model`'s one-row forward pass runs as it is built (its layers are
+    the ones above)."""
+    return any(isinstance(m, GemvLinear | GemvEmbedding) for m in model.modules())

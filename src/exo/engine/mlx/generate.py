@@ -34,6 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from exo.engine.mlx.constrained import compile_constraint, request_sampling
+from exo.engine.mlx.cpu_gemv import eager_one_row
 from exo.engine.mlx.prefix_cache import (
     KVPrefixCache,
     LayerCache,
@@ -126,6 +127,8 @@ class LocalModel:
     def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        # One row's forward runs as it is built (`cpu_gemv`): nothing to overlap.
+        self.eager_one_row = eager_one_row(model)
         self._sampling: SamplingStep | None = None
 
     def make_cache(self) -> list[LayerCache]:
@@ -171,10 +174,13 @@ class LocalModel:
         current = step(mx.array([token]))
         current.async_eval()
         for n in range(max_tokens):
+            if self.eager_one_row:  # the token goes out before the next step runs
+                yield current.resolve()
             upcoming = step(current.token) if n + 1 < max_tokens else None
             if upcoming is not None:
                 upcoming.async_eval()
-            yield current.resolve()
+            if not self.eager_one_row:
+                yield current.resolve()
             if n % _CLEAR_CACHE_TOKENS == 0:
                 mx.clear_cache()
             if upcoming is None:
