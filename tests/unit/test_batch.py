@@ -17,6 +17,7 @@ from exo.engine.mlx.batch import (
     PromptProgress,
     can_batch,
 )
+from exo.engine.mlx.cpu_few_rows import KERNEL_ROWS
 from exo.engine.mlx.generate import GenerationDone, LocalModel, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.prefix_cache import KVPrefixCache
@@ -250,33 +251,42 @@ def test_cached_and_fresh_prompts_read_together_reply_as_each_alone(
     assert reply(together["r1"])[1].usage.cached_tokens < len(prompts[1]) - 1
 
 
-def test_a_lone_row_on_the_cpu_hands_out_each_token_in_the_step_that_drew_it(
-    smollm: tuple[nn.Module, TokenizerWrapper],
+@pytest.mark.parametrize("rows", [1, 2, KERNEL_ROWS])
+def test_a_small_batch_on_the_cpu_hands_out_each_token_in_the_step_that_drew_it(
+    smollm: tuple[nn.Module, TokenizerWrapper], rows: int
 ) -> None:
-    """One row's forward runs as it is built on the CPU (`cpu_gemv`): every step
-    hands out the token it computed, none later, and the reply is the same as
-    with the one-step-ahead loop."""
+    """Up to `KERNEL_ROWS` rows, a forward runs as it is built on the CPU
+    (`cpu_few_rows`): every step hands out the token it computed for each row,
+    none later, and the replies are those of the one-step-ahead loop."""
     tokenizer = smollm[1]
-    tokens = chat(tokenizer, QUESTIONS[1])
+    prompts = [chat(tokenizer, q) for q in QUESTIONS[:rows]]
     params = GenerationParams(
         max_tokens=12, temperature=0, logit_bias={tokenizer.eos_token_id: -100.0}
     )
     batch = batcher(smollm)
-    assert batch._model.eager_one_row  # pyright: ignore[reportPrivateUsage]
-    batch.add("lone", tokens, params)
-    outputs: list[BatchOutput] = []
+    assert batch._model.eager_rows == KERNEL_ROWS  # pyright: ignore[reportPrivateUsage]
+    for n, tokens in enumerate(prompts):
+        batch.add(f"r{n}", tokens, params)
+    outputs: dict[str, list[BatchOutput]] = {}
+    handed_out = 0
     while not batch.idle:
-        step = [o for _, o in batch.step() if not isinstance(o, PromptProgress)]
-        outputs += step
+        for task_id, output in batch.step():
+            outputs.setdefault(task_id, []).append(output)
         if batch.idle:
             break
-        deltas = [o for o in step if isinstance(o, TextDelta)]
-        assert len(deltas) == 1, step  # not a step without a token
-        [row] = batch._rows  # pyright: ignore[reportPrivateUsage]
-        # The token just handed out has not been fed to the model yet.
-        fed = int(batch._cache[0].offset[0].item())  # pyright: ignore[reportPrivateUsage]
-        assert fed == len(tokens) + len(row.generated) - 1
+        in_batch = batch._rows  # pyright: ignore[reportPrivateUsage]
+        # Every row has a token more after each step, none held for a later one...
+        assert [len(row.generated) for row in in_batch] == [handed_out + 1] * rows
+        handed_out += 1
+        offsets = batch._cache[0].offset.tolist()  # pyright: ignore[reportPrivateUsage]
+        for row, fed in zip(in_batch, offsets, strict=True):
+            # ...and the token just handed out has not been fed to the model yet.
+            assert fed == len(row.tokens) + len(row.generated) - 1
     lagging = batcher(smollm)
-    lagging._model.eager_one_row = False  # pyright: ignore[reportPrivateUsage]
-    lagging.add("lone", tokens, params)
-    assert reply(outputs) == reply(drain(lagging)["lone"])
+    lagging._model.eager_rows = 0  # pyright: ignore[reportPrivateUsage]
+    for n, tokens in enumerate(prompts):
+        lagging.add(f"r{n}", tokens, params)
+    ahead = drain(lagging)
+    assert [reply(outputs[f"r{n}"]) for n in range(rows)] == [
+        reply(ahead[f"r{n}"]) for n in range(rows)
+    ]

@@ -237,12 +237,12 @@ def test_top_k_one_is_greedy(tiny: tuple[nn.Module, TokenizerWrapper], seed: int
 def test_decode_hands_out_a_token_before_computing_the_next_when_the_forward_is_eager(
     tiny: tuple[nn.Module, TokenizerWrapper], eager: bool
 ) -> None:
-    """On the CPU one row's forward runs as it is built (`cpu_gemv`): the loop hands
+    """On the CPU one row's forward runs as it is built (`cpu_few_rows`): the loop hands
     each token out before it feeds it to the model; else it feeds it first, so the
     next step computes while the token goes out."""
     model, tokenizer = tiny
     forward = LocalModel(model, tokenizer)
-    forward.eager_one_row = eager
+    forward.eager_rows = 1 if eager else 0
     tokens = prompt(20)
     layers = forward.make_cache()
     with forward.request(tokens, GREEDY, 0, PrefixMatch(None, 0, len(tokens))):

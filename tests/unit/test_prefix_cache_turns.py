@@ -52,12 +52,12 @@ def test_smollm2_template_echoes_the_generated_reply_token_for_token(
     """Turn 2 of a conversation, rendered as the API renders it, starts with every token
     turn 1 stored: the prompt and the reply, with its end-of-turn token where the loop
     computed a step ahead (it fed that token in); a lone row on the CPU hands its token
-    out before feeding it (`cpu_gemv`), so there the stored reply stops before it."""
+    out before feeding it (`cpu_few_rows`), so there the stored reply stops before it."""
     model, tokenizer = load_for_inference(smollm_dir)
     chat = load_chat_tokenizer(smollm_dir)
     cache = KVPrefixCache(BIG)
     forward = LocalModel(model, tokenizer)
-    forward.eager_one_row = eager
+    forward.eager_rows = 1 if eager else 0
     generator = TextGenerator(forward, tokenizer, cache)
     system = ChatTurn(role="system", content="You are a terse assistant.")
     question = ChatTurn(role="user", content="Name a colour.")

@@ -29,10 +29,10 @@ pass is queued on the tokens the previous step drew before those are read back,
 so turning tokens into text overlaps the model. A row that ends at EOS or a stop
 string has had one more step computed for it, which is dropped; that step puts
 its last token's KV in the cache, so the stored reply keeps its end-of-turn
-token. A lone row on a CPU node is the exception: its forward runs as it is
-built (`cpu_gemv`), so its token is read back in the step that drew it, and its
-stored reply stops before its last token (the next turn reads that one token
-along with its new ones: cheaper than a closing step spent on it alone).
+token. A small batch on a CPU node is the exception: its forward runs as it is
+built (`cpu_few_rows`), so its tokens are read back in the step that drew them,
+and a stored reply stops before its last token (the next turn reads that one
+token along with its new ones: cheaper than a closing step spent on it).
 """
 
 from collections import deque
@@ -309,9 +309,9 @@ class ContinuousBatcher:
                 drawn = [row.sampling.draw(logits[i : i + 1]) for i, row in enumerate(rows)]
         PendingToken.async_eval_all(drawn)
         # Rows that fed their last prompt token: their first token is read back
-        # now. So is a lone row's on a CPU node: its forward ran as it was built
-        # (`cpu_gemv`), and waiting a step would only delay the token.
-        eager = len(rows) == 1 and self._model.eager_one_row
+        # now. So are a small batch's on a CPU node: its forward ran as it was
+        # built (`cpu_few_rows`), and waiting a step would only delay the tokens.
+        eager = len(rows) <= self._model.eager_rows
         new = [eager or not row.generated for row in rows]
         outputs.extend(self._read_back(rows))
         for row, pending in zip(rows, drawn, strict=True):

@@ -34,7 +34,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from exo.engine.mlx.constrained import compile_constraint, request_sampling
-from exo.engine.mlx.cpu_gemv import eager_one_row
+from exo.engine.mlx.cpu_few_rows import eager_rows
 from exo.engine.mlx.prefix_cache import (
     KVPrefixCache,
     LayerCache,
@@ -127,8 +127,9 @@ class LocalModel:
     def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        # One row's forward runs as it is built (`cpu_gemv`): nothing to overlap.
-        self.eager_one_row = eager_one_row(model)
+        # Up to this many rows a forward pass runs as it is built (`cpu_few_rows`):
+        # nothing to overlap.
+        self.eager_rows = eager_rows(model)
         self._sampling: SamplingStep | None = None
 
     def make_cache(self) -> list[LayerCache]:
@@ -174,12 +175,12 @@ class LocalModel:
         current = step(mx.array([token]))
         current.async_eval()
         for n in range(max_tokens):
-            if self.eager_one_row:  # the token goes out before the next step runs
+            if self.eager_rows:  # the token goes out before the next step runs
                 yield current.resolve()
             upcoming = step(current.token) if n + 1 < max_tokens else None
             if upcoming is not None:
                 upcoming.async_eval()
-            if not self.eager_one_row:
+            if not self.eager_rows:
                 yield current.resolve()
             if n % _CLEAR_CACHE_TOKENS == 0:
                 mx.clear_cache()

@@ -12,7 +12,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_config, load_model, load_tokenizer
 
 from exo.engine.mlx.backend import backend_name
-from exo.engine.mlx.cpu_gemv import use_gemv_for_one_row
+from exo.engine.mlx.cpu_few_rows import use_kernel_for_few_rows
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -75,8 +75,9 @@ def dequantize_f32(model: ModuleT) -> ModuleT:
 
 
 def prepare_for_backend(model: ModuleT, config: dict[str, Any]) -> ModuleT:
-    """On the CPU backend dequantize to float32 and multiply one-row inputs by
-    BLAS `sgemv` (`cpu_gemv`); then evaluate the weights.
+    """On the CPU backend dequantize to float32 and multiply decode steps' few
+    rows by a kernel that reads each weight once (`cpu_few_rows`); then evaluate
+    the weights.
 
     MLX's CPU quantized matmul is far slower than float32 BLAS matmul, so on
     the CPU the memory cost of float32 weights buys ~100x speed.
@@ -86,7 +87,7 @@ def prepare_for_backend(model: ModuleT, config: dict[str, Any]) -> ModuleT:
             logger.info("CPU backend: dequantizing weights to float32")
             model = dequantize_f32(model)
         model.set_dtype(mx.float32)
-        use_gemv_for_one_row(model)
+        use_kernel_for_few_rows(model)
     mx.eval(model.parameters())
     return model
 

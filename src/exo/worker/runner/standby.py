@@ -40,6 +40,7 @@ _PRELOAD = (
     "exo.engine.mlx.pipeline",
     "exo.engine.mlx.prefix_cache",
     "exo.engine.mlx.prefix_cache_disk",
+    "exo.engine.mlx.few_rows_kernel",  # numba: Linux only, so last
 )
 
 

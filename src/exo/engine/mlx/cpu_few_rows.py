@@ -1,0 +1,145 @@
+"""Decode-step matmuls on the CPU backend: a few rows times each weight matrix,
+by a kernel that reads the weights once (`few_rows_kernel`).
+
+A decode step multiplies one row per request in the batch by every weight
+matrix of the model, so it is bound by memory bandwidth. MLX's CPU backend runs
+every matmul as a BLAS `sgemm`, which packs (copies) the weight matrix before
+multiplying: for a few rows that is most of the work. Over all the matrices of
+a 135M-parameter float32 model, on a 2-core x86 VM: MLX's `sgemm` 40 ms for one
+row and 46 ms for two; BLAS `sgemv` 26 ms for one row and the same 46 ms for two
+(the matrix read once per row); the kernel 19-24 / 21-27 / 24-38 ms for 1 / 2 /
+4 rows. A whole decode step of 2 rows went from 65-83 ms to 47-63 ms.
+
+The layers here hand a float32 input of up to `KERNEL_ROWS` rows to the kernel
+on a zero-copy numpy view of the weight; more rows (prompt reading, bigger
+batches) keep MLX's matmul, where `sgemm` is the faster one. The input is
+evaluated first, one wait per distinct input (q, k and v share theirs, as gate
+and up do), ~50 µs each.
+
+Consequences for callers:
+- A forward pass of up to `KERNEL_ROWS` rows runs as it is built, so a decode
+  loop cannot overlap it with handing out the previous tokens; such loops hand
+  the tokens out first (`eager_rows`), and a reply's last token is then never
+  fed in: the stored reply stops before it.
+- The kernel sums in another order than `sgemm`: a row's logits alone (or in a
+  batch of up to `KERNEL_ROWS`) and in a bigger batch agree to float32 rounding
+  (~1e-4), not bit for bit, so a greedy near-tie may resolve differently.
+- The layers are for inference: `mx.grad` sees no gradient through the numpy
+  product, and `mx.compile` or `mx.vmap` of a few-row call raises.
+- Where numba is not installed (it is a Linux dependency), nothing is swapped.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from loguru import logger
+from mlx.utils import tree_unflatten
+
+# Up to this many rows the kernel beats `sgemm` (measured above); beyond, MLX's matmul.
+KERNEL_ROWS = 4
+
+Float32Matrix = np.ndarray[Any, np.dtype[np.float32]]
+Product = Callable[[Float32Matrix, Float32Matrix], Float32Matrix]
+
+
+class _WeightView:
+    """A numpy view of one MLX weight, made once and kept while the weight is the same."""
+
+    def __init__(self) -> None:
+        self._weight: mx.array | None = None
+        self._view: Float32Matrix | None = None
+
+    def of(self, weight: mx.array) -> Float32Matrix:
+        if self._view is None or self._weight is not weight:
+            mx.eval(weight)
+            view = np.asarray(weight)
+            view.flags.writeable = False  # MLX's memory: never written from here
+            self._weight, self._view = weight, view
+        return self._view
+
+
+def _few_rows(x: mx.array, weight: mx.array) -> bool:
+    return (
+        x.size <= KERNEL_ROWS * x.shape[-1] and x.dtype == mx.float32 and weight.dtype == mx.float32
+    )
+
+
+def _apply(product: Product, weight: Float32Matrix, x: mx.array) -> mx.array:
+    """`x @ weight.T` for a few-row `x`, by the kernel."""
+    mx.eval(x)
+    rows = np.ascontiguousarray(np.asarray(x).reshape(-1, x.shape[-1]))
+    return mx.array(product(weight, rows)).reshape(*x.shape[:-1], weight.shape[0])
+
+
+class FewRowsLinear(nn.Linear):
+    """`nn.Linear` whose products of up to `KERNEL_ROWS` float32 rows go through the kernel."""
+
+    def __init__(self, linear: nn.Linear, product: Product) -> None:
+        out_features, in_features = linear.weight.shape
+        super().__init__(in_features, out_features, bias="bias" in linear)
+        self.weight = linear.weight
+        if "bias" in linear:
+            self.bias = linear.bias
+        self._view = _WeightView()
+        self._product = product
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not _few_rows(x, self.weight):
+            return super().__call__(x)
+        y = _apply(self._product, self._view.of(self.weight), x)
+        return y + self.bias if "bias" in self else y
+
+
+class FewRowsEmbedding(nn.Embedding):
+    """`nn.Embedding` whose use as the output head (tied weights) goes through the
+    kernel for up to `KERNEL_ROWS` rows."""
+
+    def __init__(self, embedding: nn.Embedding, product: Product) -> None:
+        super().__init__(*embedding.weight.shape)
+        self.weight = embedding.weight
+        self._view = _WeightView()
+        self._product = product
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not _few_rows(x, self.weight):
+            return super().as_linear(x)
+        return _apply(self._product, self._view.of(self.weight), x)
+
+
+def load_kernel() -> Product | None:
+    """The kernel, compiled (or read from numba's cache); None without numba."""
+    try:
+        from exo.engine.mlx.few_rows_kernel import few_rows_product
+    except ImportError as error:
+        logger.warning(f"numba unavailable ({error}): decode steps use MLX's matmul")
+        return None
+    # Compiled now, for the argument types the layers pass (a read-only weight view).
+    _apply(few_rows_product, _WeightView().of(mx.ones((3, 8))), mx.ones((2, 8)))
+    return few_rows_product
+
+
+def use_kernel_for_few_rows(model: nn.Module, product: Product | None = None) -> nn.Module:
+    """Swap `model`'s plain linear and embedding layers for the ones above (same
+    weights); unchanged where the kernel cannot be had."""
+    product = product or load_kernel()
+    if product is None:
+        return model
+    replaced: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear:
+            replaced.append((name, FewRowsLinear(module, product)))
+        elif type(module) is nn.Embedding:
+            replaced.append((name, FewRowsEmbedding(module, product)))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+    return model
+
+
+def eager_rows(model: nn.Module) -> int:
+    """Up to how many rows `model`'s forward pass runs as it is built (0: none,
+    MLX's lazy graph throughout)."""
+    swapped = any(isinstance(m, FewRowsLinear | FewRowsEmbedding) for m in model.modules())
+    return KERNEL_ROWS if swapped else 0
