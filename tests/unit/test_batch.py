@@ -290,3 +290,35 @@ def test_a_small_batch_on_the_cpu_hands_out_each_token_in_the_step_that_drew_it(
     assert [reply(outputs[f"r{n}"]) for n in range(rows)] == [
         reply(ahead[f"r{n}"]) for n in range(rows)
     ]
+
+
+def test_a_batch_shrinking_to_the_kernel_s_size_ends_a_reply_its_queued_token_ends(
+    smollm: tuple[nn.Module, TokenizerWrapper],
+) -> None:
+    """Five rows decode a step ahead; the first leaving by `max_tokens` leaves four,
+    which read their tokens back in the step that draws them. A reply whose queued
+    token completes its stop string in that very step ends there, once, and every
+    reply is the one it gives alone."""
+    tokenizer = smollm[1]
+    prompts = [chat(tokenizer, q) for q in [*QUESTIONS, "Say hello to the sun."]]
+    assert len(prompts) == KERNEL_ROWS + 1
+    no_eos = {tokenizer.eos_token_id: -100.0}
+    cut = 4
+    params = [GenerationParams(max_tokens=12, temperature=0, logit_bias=no_eos)] * len(prompts)
+    params[0] = GenerationParams(max_tokens=cut, temperature=0, logit_bias=no_eos)
+    # The second reply's text up to its `cut`-th token, as its stop string.
+    text, _ = alone(smollm, prompts[1], params[0])
+    assert text
+    params[1] = GenerationParams(max_tokens=12, temperature=0, logit_bias=no_eos, stop=(text,))
+    batch = batcher(smollm)
+    for n, (tokens, p) in enumerate(zip(prompts, params, strict=True)):
+        batch.add(f"r{n}", tokens, p)
+    together = drain(batch)
+    replies = [reply(together[f"r{n}"]) for n in range(len(prompts))]
+    assert (replies[0][1].finish_reason, replies[0][1].usage.completion_tokens) == ("length", cut)
+    assert (replies[1][1].finish_reason, replies[1][1].usage.completion_tokens) == ("stop", cut)
+    assert [sum(isinstance(o, GenerationDone) for o in together[f"r{n}"]) for n in range(5)] == [
+        1
+    ] * 5
+    for tokens, p, got in zip(prompts, params, replies, strict=True):
+        assert got == alone(smollm, tokens, p)

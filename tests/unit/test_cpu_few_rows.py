@@ -141,3 +141,9 @@ def test_a_loaded_model_decodes_as_mlx_matmul_does(tiny_model_dir: Path, rows: i
         ]
         assert mx.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4).item()
         inputs = mx.argmax(logits[1], axis=-1, keepdims=True)
+
+
+def test_the_kernel_refuses_rows_that_do_not_match_the_weight() -> None:
+    """It checks no bounds itself: a mismatch would read past the rows."""
+    with pytest.raises(ValueError, match="do not match"):
+        few_rows_product(np.ones((8, 16), np.float32), np.ones((2, 12), np.float32))

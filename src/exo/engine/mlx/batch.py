@@ -316,8 +316,11 @@ class ContinuousBatcher:
         outputs.extend(self._read_back(rows))
         for row, pending in zip(rows, drawn, strict=True):
             row.pending, row.input = pending, pending.token
-        if any(new):
-            outputs.extend(self._read_back([row for row, n in zip(rows, new, strict=True) if n]))
+        # A row the first read-back ended (a batch that just shrank to eager size)
+        # leaves as in step-ahead mode: its last token fed, the extra one dropped.
+        fresh = [row for row, n in zip(rows, new, strict=True) if n and not row.stream.finished]
+        if fresh:
+            outputs.extend(self._read_back(fresh))
         ended = [i for i, row in enumerate(rows) if row.stream.finished]
         if ended:
             self._leave(ended, store=True)

@@ -110,14 +110,16 @@ class FewRowsEmbedding(nn.Embedding):
 
 
 def load_kernel() -> Product | None:
-    """The kernel, compiled (or read from numba's cache); None without numba."""
+    """The kernel, compiled (or read from numba's cache); None where it cannot be
+    had (no numba, numba's cache folders not writable, a failed compile)."""
     try:
         from exo.engine.mlx.few_rows_kernel import few_rows_product
-    except ImportError as error:
-        logger.warning(f"numba unavailable ({error}): decode steps use MLX's matmul")
+
+        # Compiled now, for the argument types the layers pass (a read-only weight view).
+        _apply(few_rows_product, _WeightView().of(mx.ones((3, 8))), mx.ones((2, 8)))
+    except Exception as error:  # no numba, no writable cache folder, no compiler target
+        logger.warning(f"CPU decode kernel unavailable ({error!r}): MLX's matmul is used")
         return None
-    # Compiled now, for the argument types the layers pass (a read-only weight view).
-    _apply(few_rows_product, _WeightView().of(mx.ones((3, 8))), mx.ones((2, 8)))
     return few_rows_product
 
 

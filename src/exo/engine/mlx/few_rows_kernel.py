@@ -29,6 +29,8 @@ def _product(weight: Float32Matrix, rows: Float32Matrix, out: Float32Matrix) -> 
 
 def few_rows_product(weight: Float32Matrix, rows: Float32Matrix) -> Float32Matrix:
     """`rows @ weight.T`: `weight` (out, in) and `rows` (n, in), C-contiguous float32."""
+    if rows.ndim != 2 or rows.shape[1] != weight.shape[1]:  # the kernel checks no bounds
+        raise ValueError(f"rows of shape {rows.shape} do not match a {weight.shape} weight")
     out = np.empty((rows.shape[0], weight.shape[0]), dtype=np.float32)
     _product(weight, rows, out)
     return out
