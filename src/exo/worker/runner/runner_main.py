@@ -37,6 +37,7 @@ from pydantic import ValidationError
 
 from exo.shared.types.shard import LayerRange
 from exo.shared.types.tasks import SampledLogprobs
+from exo.worker.runner.blas import PIPELINE_GOMP_SPINCOUNT
 from exo.worker.runner.protocol import (
     CacheStatsReport,
     Cancel,
@@ -258,6 +259,8 @@ class Runner:
         logger.info(
             f"joined the pipeline group as rank {link.rank} of {link.size} in {joined - started:.1f}s"
         )
+        # Before numba loads libgomp (in `load_shard`), which reads it then.
+        os.environ.setdefault("GOMP_SPINCOUNT", PIPELINE_GOMP_SPINCOUNT)
         shard = load_shard(model_dir, layers)
         logger.info(
             f"loaded {layers} ({parameter_bytes(shard) / 1e6:.0f} MB, peak "
