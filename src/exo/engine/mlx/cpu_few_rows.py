@@ -8,7 +8,7 @@ multiplying: for a few rows that is most of the work. Over all the matrices of
 a 135M-parameter float32 model, on a 2-core x86 VM: MLX's `sgemm` 40 ms for one
 row and 46 ms for two; BLAS `sgemv` 26 ms for one row and the same 46 ms for two
 (the matrix read once per row); the kernel 19-24 / 21-27 / 24-38 ms for 1 / 2 /
-4 rows. A whole decode step of 2 rows went from 65-83 ms to 47-63 ms.
+4 rows. A whole decode step of 2 rows went from 73-83 ms to 47-63 ms.
 
 The layers here hand a float32 input of up to `KERNEL_ROWS` rows to the kernel
 on a zero-copy numpy view of the weight; more rows (prompt reading, bigger
@@ -26,7 +26,8 @@ Consequences for callers:
   (~1e-4), not bit for bit, so a greedy near-tie may resolve differently.
 - The layers are for inference: `mx.grad` sees no gradient through the numpy
   product, and `mx.compile` or `mx.vmap` of a few-row call raises.
-- Where numba is not installed (it is a Linux dependency), nothing is swapped.
+- Where the kernel cannot be had (no numba, which is a Linux dependency; numba's
+  cache folders not writable; a failed compile), nothing is swapped.
 """
 
 from collections.abc import Callable
@@ -45,14 +46,16 @@ Float32Matrix = np.ndarray[Any, np.dtype[np.float32]]
 Product = Callable[[Float32Matrix, Float32Matrix], Float32Matrix]
 
 
-class _WeightView:
-    """A numpy view of one MLX weight, made once and kept while the weight is the same."""
+class _Kernel:
+    """One layer's way to the kernel: its weight's numpy view (made once, kept
+    while the weight is the same) and the product."""
 
-    def __init__(self) -> None:
+    def __init__(self, product: Product) -> None:
+        self._product = product
         self._weight: mx.array | None = None
         self._view: Float32Matrix | None = None
 
-    def of(self, weight: mx.array) -> Float32Matrix:
+    def view(self, weight: mx.array) -> Float32Matrix:
         if self._view is None or self._weight is not weight:
             mx.eval(weight)
             view = np.asarray(weight)
@@ -60,18 +63,16 @@ class _WeightView:
             self._weight, self._view = weight, view
         return self._view
 
-
-def _few_rows(x: mx.array, weight: mx.array) -> bool:
-    return (
-        x.size <= KERNEL_ROWS * x.shape[-1] and x.dtype == mx.float32 and weight.dtype == mx.float32
-    )
-
-
-def _apply(product: Product, weight: Float32Matrix, x: mx.array) -> mx.array:
-    """`x @ weight.T` for a few-row `x`, by the kernel."""
-    mx.eval(x)
-    rows = np.ascontiguousarray(np.asarray(x).reshape(-1, x.shape[-1]))
-    return mx.array(product(weight, rows)).reshape(*x.shape[:-1], weight.shape[0])
+    def __call__(self, weight: mx.array, x: mx.array) -> mx.array | None:
+        """`x @ weight.T` by the kernel; None (MLX's matmul then) for more than
+        `KERNEL_ROWS` rows or other dtypes."""
+        few = x.size <= KERNEL_ROWS * x.shape[-1]
+        if not (few and x.dtype == mx.float32 and weight.dtype == mx.float32):
+            return None
+        view = self.view(weight)
+        mx.eval(x)
+        rows = np.ascontiguousarray(np.asarray(x).reshape(-1, x.shape[-1]))
+        return mx.array(self._product(view, rows)).reshape(*x.shape[:-1], view.shape[0])
 
 
 class FewRowsLinear(nn.Linear):
@@ -83,13 +84,12 @@ class FewRowsLinear(nn.Linear):
         self.weight = linear.weight
         if "bias" in linear:
             self.bias = linear.bias
-        self._view = _WeightView()
-        self._product = product
+        self._kernel = _Kernel(product)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not _few_rows(x, self.weight):
+        y = self._kernel(self.weight, x)
+        if y is None:
             return super().__call__(x)
-        y = _apply(self._product, self._view.of(self.weight), x)
         return y + self.bias if "bias" in self else y
 
 
@@ -100,13 +100,11 @@ class FewRowsEmbedding(nn.Embedding):
     def __init__(self, embedding: nn.Embedding, product: Product) -> None:
         super().__init__(*embedding.weight.shape)
         self.weight = embedding.weight
-        self._view = _WeightView()
-        self._product = product
+        self._kernel = _Kernel(product)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if not _few_rows(x, self.weight):
-            return super().as_linear(x)
-        return _apply(self._product, self._view.of(self.weight), x)
+        y = self._kernel(self.weight, x)
+        return super().as_linear(x) if y is None else y
 
 
 def load_kernel() -> Product | None:
@@ -116,17 +114,17 @@ def load_kernel() -> Product | None:
         from exo.engine.mlx.few_rows_kernel import few_rows_product
 
         # Compiled now, for the argument types the layers pass (a read-only weight view).
-        _apply(few_rows_product, _WeightView().of(mx.ones((3, 8))), mx.ones((2, 8)))
+        _Kernel(few_rows_product)(mx.ones((3, 8)), mx.ones((2, 8)))
     except Exception as error:  # no numba, no writable cache folder, no compiler target
         logger.warning(f"CPU decode kernel unavailable ({error!r}): MLX's matmul is used")
         return None
     return few_rows_product
 
 
-def use_kernel_for_few_rows(model: nn.Module, product: Product | None = None) -> nn.Module:
+def use_kernel_for_few_rows(model: nn.Module) -> nn.Module:
     """Swap `model`'s plain linear and embedding layers for the ones above (same
     weights); unchanged where the kernel cannot be had."""
-    product = product or load_kernel()
+    product = load_kernel()
     if product is None:
         return model
     replaced: list[tuple[str, nn.Module]] = []
