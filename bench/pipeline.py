@@ -38,7 +38,7 @@ from exo.engine.mlx.load import load_model_tokenizer
 from exo.models.builtin import DEFAULT_MODEL_ID, ensure_default_model
 from exo.models.store import model_dir
 from exo.shared.types.tasks import GenerationParams
-from exo.worker.runner.protocol import Chunk, Finished, TaskFailed
+from exo.worker.runner.protocol import TaskFailed, TaskFinished, TaskText
 from tests import pipeline_harness
 from tests.pipeline_harness import Pipeline, even_bounds, running_pipeline
 
@@ -88,12 +88,12 @@ def measure(
         message = runner.next_message(deadline)
         if getattr(message, "task_id", None) != task_id:
             continue
-        if isinstance(message, Chunk) and message.text:
+        if isinstance(message, TaskText) and message.text:
             chunk_times.append(time.monotonic())
             text += message.text
         elif isinstance(message, TaskFailed):
             raise RuntimeError(f"task failed: {message.error}")
-        elif isinstance(message, Finished):
+        elif isinstance(message, TaskFinished):
             usage = message.usage
             break
     elapsed = time.monotonic() - started

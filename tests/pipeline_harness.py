@@ -22,13 +22,13 @@ from exo.shared.types.tasks import GenerationParams, Usage
 from exo.worker.runner.blas import runner_environment
 from exo.worker.runner.protocol import (
     Cancel,
-    Chunk,
-    Finished,
     FromRunner,
     Generate,
     Shutdown,
     StatusChanged,
     TaskFailed,
+    TaskFinished,
+    TaskText,
     ToRunner,
     from_runner_adapter,
 )
@@ -91,7 +91,7 @@ def rank_environment(work_dir: Path, hostfile: Path | None, rank: int) -> dict[s
 @dataclass
 class TaskResult:
     text: str = ""
-    finished: Finished | None = None
+    finished: TaskFinished | None = None
     failed: TaskFailed | None = None
     messages: list[FromRunner] = field(default_factory=list)
 
@@ -171,9 +171,9 @@ class RunnerProcess:
             if getattr(message, "task_id", None) != task_id:
                 continue
             result.messages.append(message)
-            if isinstance(message, Chunk):
+            if isinstance(message, TaskText):
                 result.text += message.text
-            elif isinstance(message, Finished):
+            elif isinstance(message, TaskFinished):
                 result.finished = message
             elif isinstance(message, TaskFailed):
                 result.failed = message

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exo.engine.mlx.generate import GenerationDone, TextDelta, TextGenerator
+from exo.engine.mlx.generate import Finished, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_model_tokenizer
 from exo.engine.mlx.pipeline import (
     PipelineDriver,
@@ -95,7 +95,7 @@ def main() -> None:
             for output in generator.generate(request["tokens"], params):
                 if isinstance(output, TextDelta):
                     text += output.text
-                elif isinstance(output, GenerationDone):
+                elif isinstance(output, Finished):
                     usage = output.usage.model_dump()
             results.append({"text": text, "usage": usage})
             watch.task_ended()

@@ -18,7 +18,7 @@ from exo.engine.mlx.load import load_model_tokenizer
 from exo.engine.mlx.pipeline import IDLE_SILENCE_SECONDS
 from exo.shared.types.constraints import JsonSchema
 from exo.shared.types.tasks import GenerationParams, SampledLogprob, Usage
-from exo.worker.runner.protocol import Chunk, Finished, FromRunner
+from exo.worker.runner.protocol import FromRunner, TaskFinished, TaskText
 from tests.constraint_examples import PERSON, WEATHER_ARGUMENTS, WEATHER_CALL
 from tests.model_factory import make_tiny_llama
 from tests.pipeline_harness import (
@@ -65,7 +65,7 @@ def run_requests(pipeline: Pipeline) -> list[tuple[str, Usage]]:
 
 
 def is_chunk_of(task_id: str) -> Callable[[FromRunner], bool]:
-    return lambda message: isinstance(message, Chunk) and message.task_id == task_id
+    return lambda message: isinstance(message, TaskText) and message.task_id == task_id
 
 
 @pytest.mark.slow
@@ -96,7 +96,7 @@ def test_a_bad_constraint_fails_only_its_task_and_logprobs_cross_the_ring(
         entry.submit("after", LONG_PROMPT[:20], params)
         result = entry.collect("after", 60)
         assert result.finished is not None, result.failed
-        chunks = [m for m in result.messages if isinstance(m, Chunk)]
+        chunks = [m for m in result.messages if isinstance(m, TaskText)]
         logprobs = [e for c in chunks if c.logprobs for e in c.logprobs.tokens]
         assert len(logprobs) == result.finished.usage.completion_tokens == GREEDY.max_tokens
         assert all(
@@ -297,7 +297,7 @@ def test_constraints_logprobs_and_stop_strings_act_where_the_last_rank_samples(
         "tool": (weather, greedy.model_copy(update={"constraint": WEATHER_CALL})),
         "stop": (capital, greedy.model_copy(update={"stop": ("Paris",), "logprobs": True})),
     }
-    replies: dict[int, dict[str, tuple[str, list[SampledLogprob], Finished]]] = {}
+    replies: dict[int, dict[str, tuple[str, list[SampledLogprob], TaskFinished]]] = {}
     for ranks in (1, 2):
         with running_pipeline(smollm_dir, tmp_path, even_bounds(SMOLLM_LAYERS, ranks)) as pipeline:
             replies[ranks] = {}
@@ -305,7 +305,7 @@ def test_constraints_logprobs_and_stop_strings_act_where_the_last_rank_samples(
                 pipeline.entry.submit(task_id, tokens, params)
                 result = pipeline.entry.collect(task_id, 120)
                 assert result.finished is not None, result.failed
-                chunks = [m for m in result.messages if isinstance(m, Chunk)]
+                chunks = [m for m in result.messages if isinstance(m, TaskText)]
                 logprobs = [e for c in chunks if c.logprobs for e in c.logprobs.tokens]
                 replies[ranks][task_id] = (result.text, logprobs, result.finished)
     # The same tokens, logprobs and endings (greedy) whether one process samples or the last rank.

@@ -18,7 +18,7 @@ from exo.engine.mlx.batch import (
     can_batch,
 )
 from exo.engine.mlx.cpu_few_rows import KERNEL_ROWS
-from exo.engine.mlx.generate import GenerationDone, LocalModel, TextDelta, TextGenerator
+from exo.engine.mlx.generate import Finished, LocalModel, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.shared.types.constraints import JsonSchema
@@ -57,7 +57,7 @@ def batcher(
     return ContinuousBatcher(generator)
 
 
-Reply = tuple[str, GenerationDone]
+Reply = tuple[str, Finished]
 
 
 def drain(batch: ContinuousBatcher, max_steps: int = 2000) -> dict[str, list[BatchOutput]]:
@@ -74,7 +74,7 @@ def reply(outputs: list[BatchOutput]) -> Reply:
     failed = [o for o in outputs if isinstance(o, GenerationFailed)]
     assert not failed, failed
     done = outputs[-1]
-    assert isinstance(done, GenerationDone)
+    assert isinstance(done, Finished)
     return "".join(o.text for o in outputs if isinstance(o, TextDelta)), done
 
 
@@ -159,7 +159,7 @@ def test_a_new_prompt_is_read_between_decode_steps(
     batch.add("short", short_prompt, GenerationParams(max_tokens=1, temperature=0))
     steps = 0
     seen: list[BatchOutput] = []
-    while not any(isinstance(o, GenerationDone) for o in seen):
+    while not any(isinstance(o, Finished) for o in seen):
         steps += 1
         seen += [o for task_id, o in batch.step() if task_id == "short"]
     assert steps == -(
@@ -317,8 +317,6 @@ def test_a_batch_shrinking_to_the_kernel_s_size_ends_a_reply_its_queued_token_en
     replies = [reply(together[f"r{n}"]) for n in range(len(prompts))]
     assert (replies[0][1].finish_reason, replies[0][1].usage.completion_tokens) == ("length", cut)
     assert (replies[1][1].finish_reason, replies[1][1].usage.completion_tokens) == ("stop", cut)
-    assert [sum(isinstance(o, GenerationDone) for o in together[f"r{n}"]) for n in range(5)] == [
-        1
-    ] * 5
+    assert [sum(isinstance(o, Finished) for o in together[f"r{n}"]) for n in range(5)] == [1] * 5
     for tokens, p, got in zip(prompts, params, replies, strict=True):
         assert got == alone(smollm, tokens, p)

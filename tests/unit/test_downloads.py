@@ -21,7 +21,7 @@ from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.ids import ModelId
 from exo.shared.types.model_card import ModelCard
 from exo.shared.units import human_bytes
-from exo.worker.downloads.disk_space import DiskSpace, Usage, default_floor
+from exo.worker.downloads.disk_space import DiskSpace, DiskUsage, default_floor
 from exo.worker.downloads.hub import HubSource
 from exo.worker.downloads.transfer import (
     ALREADY_HERE,
@@ -440,7 +440,7 @@ async def test_too_little_disk_space_is_refused_up_front(
 
 
 def disk_with(free: int, floor: int = 1000) -> DiskSpace:
-    return DiskSpace(min_free_bytes=floor, usage=lambda _: Usage(total=100 * free, free=free))
+    return DiskSpace(min_free_bytes=floor, usage=lambda _: DiskUsage(total=100 * free, free=free))
 
 
 @pytest.mark.parametrize(
@@ -512,7 +512,7 @@ async def test_a_disk_that_fills_during_a_download_fails_it_clearly_and_it_resum
     simulated by a check that sees plenty): the write hits ENOSPC, the download
     fails with a clear reason, the partial is kept, and once there is space
     again the download resumes and completes."""
-    plenty = DiskSpace(min_free_bytes=0, usage=lambda _: Usage(total=1 << 40, free=1 << 40))
+    plenty = DiskSpace(min_free_bytes=0, usage=lambda _: DiskUsage(total=1 << 40, free=1 << 40))
     with pytest.raises(DownloadError, match="the disk is full: cannot write " + LAST_WEIGHTS):
         await download([HubSource(hub.url)], small_disk, {LAST_WEIGHTS}, disk=plenty)
     partial = small_disk / f"{LAST_WEIGHTS}.partial"

@@ -14,8 +14,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from exo.engine.constraint_grammar import ConstraintError
 from exo.engine.mlx.generate import (
+    Finished,
     GenerationCancelled,
-    GenerationDone,
     GenerationOutput,
     LocalModel,
     TextDelta,
@@ -51,7 +51,7 @@ def chat(tokenizer: TokenizerWrapper, question: str) -> list[int]:
 
 def run(
     loaded: tuple[nn.Module, TokenizerWrapper], tokens: list[int], params: GenerationParams
-) -> tuple[str, list[SampledLogprob], GenerationDone]:
+) -> tuple[str, list[SampledLogprob], Finished]:
     """The reply's text, the logprobs of every delta in order, and how it ended."""
     model, tokenizer = loaded
     outputs: list[GenerationOutput] = list(
@@ -59,7 +59,7 @@ def run(
     )
     deltas = [o for o in outputs if isinstance(o, TextDelta)]
     done = outputs[-1]
-    assert isinstance(done, GenerationDone)
+    assert isinstance(done, Finished)
     logprobs = [entry for delta in deltas for entry in delta.logprobs]
     return "".join(d.text for d in deltas), logprobs, done
 
@@ -99,7 +99,7 @@ def test_prefill_reports_progress_chunk_by_chunk_from_the_cached_prefix(
     )
     assert seen == reports
     done = outputs[-1]
-    assert isinstance(done, GenerationDone)
+    assert isinstance(done, Finished)
     assert done.usage.cached_tokens == (cached or 0)
 
 

@@ -39,10 +39,9 @@ from exo.api.openai_types import (
     FunctionCall,
     FunctionCallDelta,
     PromptTokensDetails,
-    TokenLogprob,
     ToolCallDelta,
-    TopLogprob,
 )
+from exo.api.reply_stream import TokenLogprob, TopLogprob
 from exo.shared.types.chat import (
     ChatRequest,
     ChatTurn,
@@ -498,8 +497,8 @@ def test_a_tool_call_reply_has_openais_shape() -> None:
                         TokenLogprob(
                             token="<",
                             logprob=-0.1,
-                            bytes=[60],
-                            top_logprobs=[TopLogprob(token="<", logprob=-0.1, bytes=[60])],
+                            bytes=(60,),
+                            top_logprobs=(TopLogprob(token="<", logprob=-0.1, bytes=(60,)),),
                         )
                     ]
                 ),

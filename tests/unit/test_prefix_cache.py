@@ -17,7 +17,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from exo.engine.mlx.generate import GenerationDone, LocalModel, TextDelta, TextGenerator
+from exo.engine.mlx.generate import Finished, LocalModel, TextDelta, TextGenerator
 from exo.engine.mlx.kv_chunks import CHUNK_TOKENS
 from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.prefix_cache import (
@@ -366,7 +366,7 @@ def test_reply_tokens_are_reused_by_the_next_turn(
     prompt = random_tokens(30, seed=11)
     warm_outputs = list(warm.generate(prompt, GenerationParams(max_tokens=8, temperature=0)))
     done = warm_outputs[-1]
-    assert isinstance(done, GenerationDone)
+    assert isinstance(done, Finished)
     reply = _greedy_ids(model, prompt, done.usage.completion_tokens)
     # One entry: the prompt's, extended by the reply the cache objects hold.
     (entry_id,) = cache.entry_ids()
@@ -838,14 +838,12 @@ def test_rotating_snapshot_restore_matches_cold_prefill(
     assert cache.restore(cache.lookup([*stored[:15], *tail])) is None
 
 
-def _run(
-    generator: TextGenerator, tokens: list[int], max_tokens: int = 12
-) -> tuple[str, GenerationDone]:
+def _run(generator: TextGenerator, tokens: list[int], max_tokens: int = 12) -> tuple[str, Finished]:
     outputs = list(
         generator.generate(tokens, GenerationParams(max_tokens=max_tokens, temperature=0))
     )
     done = outputs[-1]
-    assert isinstance(done, GenerationDone)
+    assert isinstance(done, Finished)
     text = "".join(o.text for o in outputs[:-1] if isinstance(o, TextDelta))
     return text, done
 

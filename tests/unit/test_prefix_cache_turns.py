@@ -14,7 +14,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from exo.api.chat_prompt import render_prompt
 from exo.engine.cache_diagnostics import explain_lookup
-from exo.engine.mlx.generate import GenerationDone, LocalModel, TextDelta, TextGenerator
+from exo.engine.mlx.generate import Finished, LocalModel, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.prefix_cache import KVPrefixCache, needs_checkpoints
 from exo.models.builtin import DEFAULT_MODEL_ID
@@ -35,10 +35,10 @@ def run(
     tokens: list[int],
     params: GenerationParams = GREEDY,
     system_prompt_length: int = 0,
-) -> tuple[str, GenerationDone]:
+) -> tuple[str, Finished]:
     outputs = list(generator.generate(tokens, params, system_prompt_length))
     done = outputs[-1]
-    assert isinstance(done, GenerationDone)
+    assert isinstance(done, Finished)
     return "".join(o.text for o in outputs if isinstance(o, TextDelta)), done
 
 

@@ -37,6 +37,11 @@ class APIError(Exception):
         return error_body(self.message, self.error_type, self.code, self.param)
 
 
+def invalid(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
+    """A 400: the request itself is wrong."""
+    return APIError(400, message, "invalid_request_error", code, param)
+
+
 _ANTHROPIC_ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

@@ -22,7 +22,7 @@ from jinja2 import TemplateError
 from exo.api.admission import Slot, admit
 from exo.api.canonical import canonical_request
 from exo.api.chat_prompt import ChatPrompt, chat_template_text, render_prompt, tool_call_format
-from exo.api.errors import APIError, internal_error
+from exo.api.errors import APIError, internal_error, invalid
 from exo.api.metrics import GenerationObserver, observe_generation
 from exo.api.reply_stream import (
     KeepAlive,
@@ -48,13 +48,9 @@ from exo.shared.types.chat import (
 from exo.shared.types.constraints import Constraint, JsonObject, JsonSchema, ToolCalls, ToolSpec
 from exo.shared.types.ids import new_task_id
 from exo.shared.types.tasks import GenerationParams, SampledLogprobs
-from exo.worker.runner.protocol import Chunk, Finished, Generate, TaskFailed, TaskMessage
+from exo.worker.runner.protocol import Generate, TaskFailed, TaskFinished, TaskMessage, TaskText
 from exo.worker.runner.supervisor import RunnerUnavailable
 from exo.worker.served_model import ServedModel
-
-
-def invalid(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
-    return APIError(400, message, "invalid_request_error", code, param)
 
 
 def runner_unavailable(reason: str) -> APIError:
@@ -227,7 +223,7 @@ class _Run:
                     match message:
                         case None:
                             yield KeepAlive()
-                        case Chunk(text=text, logprobs=logprobs):
+                        case TaskText(text=text, logprobs=logprobs):
                             if self.observer is not None:
                                 self.observer.chunk()
                             for event in self.parser.feed(text):
@@ -235,7 +231,7 @@ class _Run:
                                 yield event
                             if logprobs is not None:
                                 yield _token_logprobs(self.model.tokenizer, logprobs)
-                        case Finished():
+                        case TaskFinished():
                             for event in self.parser.finish():
                                 calls += [event] if isinstance(event, ToolCallEnd) else []
                                 yield event

@@ -25,15 +25,14 @@ from exo.api.openai_types import (
     FunctionCallDelta,
     PromptTokensDetails,
     ToolCallDelta,
-    TopLogprob,
 )
-from exo.api.openai_types import TokenLogprob as OpenAITokenLogprob
 from exo.api.reply_stream import (
     KEEPALIVE_COMMENT,
     KeepAlive,
     PreparedReply,
     ReplyEvent,
     ReplyFinished,
+    TokenLogprob,
     TokenLogprobs,
 )
 from exo.engine.reasoning import ReasoningPiece
@@ -59,21 +58,6 @@ def _finish_reason(finished: ReplyFinished) -> ChatFinishReason:
     return "stop" if finished.finish_reason == "stop_sequence" else finished.finish_reason
 
 
-def _logprobs(event: TokenLogprobs) -> list[OpenAITokenLogprob]:
-    return [
-        OpenAITokenLogprob(
-            token=t.token,
-            logprob=t.logprob,
-            bytes=list(t.bytes),
-            top_logprobs=[
-                TopLogprob(token=a.token, logprob=a.logprob, bytes=list(a.bytes))
-                for a in t.top_logprobs
-            ],
-        )
-        for t in event.tokens
-    ]
-
-
 class ChatCompletionAssembler:
     """Reply events -> chat completion chunks, and the whole completion."""
 
@@ -82,7 +66,7 @@ class ChatCompletionAssembler:
         self.include_usage = include_usage
         self.text: list[str] = []
         self.reasoning: list[str] = []
-        self.logprobs: list[OpenAITokenLogprob] | None = None
+        self.logprobs: list[TokenLogprob] | None = None
         self.finished: ReplyFinished | None = None
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> str:
@@ -96,7 +80,7 @@ class ChatCompletionAssembler:
             ).model_dump()
         )
 
-    def _delta(self, delta: Delta, logprobs: list[OpenAITokenLogprob] | None = None) -> str:
+    def _delta(self, delta: Delta, logprobs: list[TokenLogprob] | None = None) -> str:
         choice_logprobs = ChoiceLogprobs(content=logprobs) if logprobs is not None else None
         return self._chunk([ChunkChoice(delta=delta, logprobs=choice_logprobs)])
 
@@ -120,7 +104,7 @@ class ChatCompletionAssembler:
                 call = ToolCallDelta(index=index, function=FunctionCallDelta(arguments=text))
                 return [self._delta(Delta(tool_calls=[call]))]
             case TokenLogprobs():
-                entries = _logprobs(event)
+                entries = list(event.tokens)
                 self.logprobs = (self.logprobs or []) + entries
                 return [self._delta(Delta(), entries)]
             case KeepAlive():

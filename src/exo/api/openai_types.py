@@ -19,6 +19,7 @@ from pydantic import (
     model_serializer,
 )
 
+from exo.api.reply_stream import TokenLogprob
 from exo.api.request_fields import (
     choice_not_among_tools,
     declared_types,
@@ -486,17 +487,8 @@ class AssistantMessage(BaseModel):
         }
 
 
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None  # the token's UTF-8 bytes (a token may hold part of a character)
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
 class ChoiceLogprobs(BaseModel):
+    # Each token's UTF-8 `bytes` are listed: a token may hold part of a character.
     content: list[TokenLogprob] | None
     refusal: None = None
 

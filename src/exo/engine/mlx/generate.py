@@ -68,13 +68,13 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
-class GenerationDone:
+class Finished:
     finish_reason: FinishReason
     usage: Usage
     stop_sequence: str | None = None  # which of `params.stop` ended the reply
 
 
-GenerationOutput = TextDelta | GenerationDone
+GenerationOutput = TextDelta | Finished
 
 
 class Forward(Protocol):
@@ -347,7 +347,7 @@ class TextStream:
         self.finished = False
 
     def feed(self, sampled: SampledToken) -> list[GenerationOutput]:
-        """What one more token lets out; the last output is `GenerationDone` once
+        """What one more token lets out; the last output is `Finished` once
         this token ends the reply."""
         if self.finished:
             raise RuntimeError("the reply has ended")
@@ -384,7 +384,7 @@ class TextStream:
         if tail or self._unsent:
             outputs.append(TextDelta(text=tail, logprobs=tuple(self._unsent)))
         outputs.append(
-            GenerationDone(
+            Finished(
                 finish_reason=self._finish,
                 usage=Usage(
                     prompt_tokens=self._prompt_tokens,

@@ -66,7 +66,7 @@ def assemble(pieces: Sequence[LayerKV], length: int) -> KVCache:
 
 
 @dataclass
-class Chunk:
+class KVChunk:
     kv: list[LayerKV]  # one per chunked layer
     nbytes: int
     refs: int
@@ -76,7 +76,7 @@ class ChunkStore:
     """Chunks by key, counted by the entries that hold them; freed at no holder."""
 
     def __init__(self) -> None:
-        self._chunks: dict[ChunkKey, Chunk] = {}
+        self._chunks: dict[ChunkKey, KVChunk] = {}
         self.nbytes = 0
 
     def __contains__(self, key: ChunkKey) -> bool:
@@ -85,7 +85,7 @@ class ChunkStore:
     def __len__(self) -> int:
         return len(self._chunks)
 
-    def get(self, key: ChunkKey) -> Chunk:
+    def get(self, key: ChunkKey) -> KVChunk:
         return self._chunks[key]
 
     def acquire(self, key: ChunkKey, make: Callable[[], list[LayerKV]]) -> None:
@@ -94,7 +94,7 @@ class ChunkStore:
         if chunk is None:
             kv = make()
             mx.eval(kv)
-            chunk = Chunk(kv=kv, nbytes=kv_nbytes(kv), refs=0)
+            chunk = KVChunk(kv=kv, nbytes=kv_nbytes(kv), refs=0)
             self._chunks[key] = chunk
             self.nbytes += chunk.nbytes
         chunk.refs += 1

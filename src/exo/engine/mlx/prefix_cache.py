@@ -284,10 +284,6 @@ class KVPrefixCache:
             if loaded is not None:
                 return self.adopt(*loaded) is not None
 
-    @property
-    def has_disk(self) -> bool:
-        return self._disk is not None
-
     def detach_disk(self) -> None:
         """Stop using the disk tier (its files stay): a pipeline rank whose peers
         keep none."""

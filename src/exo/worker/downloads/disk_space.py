@@ -23,14 +23,14 @@ MIN_FREE_BYTES = 1 << 30
 MIN_FREE_FRACTION = 0.05
 
 
-class Usage(NamedTuple):
+class DiskUsage(NamedTuple):
     total: int
     free: int
 
 
-def disk_usage(path: Path) -> Usage:
+def disk_usage(path: Path) -> DiskUsage:
     usage = shutil.disk_usage(path)
-    return Usage(usage.total, usage.free)
+    return DiskUsage(usage.total, usage.free)
 
 
 def default_floor(total: int) -> int:
@@ -54,7 +54,7 @@ class DiskSpace:
     free on every disk they write to."""
 
     min_free_bytes: int | None = None
-    usage: Callable[[Path], Usage] = disk_usage
+    usage: Callable[[Path], DiskUsage] = disk_usage
     # Running downloads' reservations, by device.
     _reserved: dict[int, list[Reservation]] = field(default_factory=dict)
 

@@ -3,6 +3,11 @@
 The supervisor writes `ToRunner` messages to the runner's stdin; the runner
 writes `FromRunner` messages to its protocol pipe (the process's stdout; its
 own prints and logs go to stderr).
+
+A reply crosses three layers, each with its own type: the engine's `TextDelta`s
+and `Finished` become `TaskText`s and a `TaskFinished` here (with the task id),
+which the API's generation service turns into `ReplyEvent`s ending in
+`ReplyFinished` (with the parsed tool calls).
 """
 
 from typing import Annotated, Literal
@@ -46,15 +51,15 @@ class PrefillProgress(FrozenModel):
     total: int
 
 
-class Chunk(FrozenModel):
-    kind: Literal["chunk"] = "chunk"
+class TaskText(FrozenModel):
+    kind: Literal["text"] = "text"
     task_id: TaskId
     text: str
     # With `params.logprobs`: the sampled tokens behind this text, each once.
     logprobs: SampledLogprobs | None = None
 
 
-class Finished(FrozenModel):
+class TaskFinished(FrozenModel):
     kind: Literal["finished"] = "finished"
     task_id: TaskId
     finish_reason: FinishReason
@@ -78,10 +83,10 @@ class CacheStatsReport(FrozenModel):
 
 ToRunner = Annotated[Generate | Cancel | Shutdown, Field(discriminator="kind")]
 FromRunner = Annotated[
-    StatusChanged | PrefillProgress | Chunk | Finished | TaskFailed | CacheStatsReport,
+    StatusChanged | PrefillProgress | TaskText | TaskFinished | TaskFailed | CacheStatsReport,
     Field(discriminator="kind"),
 ]
-TaskMessage = PrefillProgress | Chunk | Finished | TaskFailed
+TaskMessage = PrefillProgress | TaskText | TaskFinished | TaskFailed
 
 to_runner_adapter: TypeAdapter[ToRunner] = TypeAdapter(ToRunner)
 from_runner_adapter: TypeAdapter[FromRunner] = TypeAdapter(FromRunner)

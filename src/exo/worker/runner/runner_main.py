@@ -41,14 +41,14 @@ from exo.worker.runner.blas import PIPELINE_GOMP_SPINCOUNT
 from exo.worker.runner.protocol import (
     CacheStatsReport,
     Cancel,
-    Chunk,
-    Finished,
     FromRunner,
     Generate,
     PrefillProgress,
     Shutdown,
     StatusChanged,
     TaskFailed,
+    TaskFinished,
+    TaskText,
     ToRunner,
     to_runner_adapter,
 )
@@ -391,7 +391,7 @@ class Runner:
         `keep_alive` runs while idle."""
         from exo.engine.constraint_grammar import ConstraintError
         from exo.engine.mlx.batch import GenerationFailed, PromptProgress
-        from exo.engine.mlx.generate import GenerationDone
+        from exo.engine.mlx.generate import Finished
 
         tasks: dict[str, Generate] = {}
 
@@ -457,7 +457,7 @@ class Runner:
                     end(task, f"{type(error).__name__}: {error}")
                 else:
                     self._send_output(task, output, flush=False)
-                    if isinstance(output, GenerationDone):
+                    if isinstance(output, Finished):
                         end(task)
             self.flush()
 
@@ -466,9 +466,9 @@ class Runner:
 
         if isinstance(output, TextDelta):
             logprobs = SampledLogprobs(tokens=output.logprobs) if task.params.logprobs else None
-            self.send(Chunk(task_id=task.task_id, text=output.text, logprobs=logprobs), flush)
+            self.send(TaskText(task_id=task.task_id, text=output.text, logprobs=logprobs), flush)
         else:
-            finished = Finished(
+            finished = TaskFinished(
                 task_id=task.task_id,
                 finish_reason=output.finish_reason,
                 usage=output.usage,

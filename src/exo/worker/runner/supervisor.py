@@ -27,11 +27,11 @@ from exo.worker.runner.blas import runner_environment
 from exo.worker.runner.protocol import (
     CacheStatsReport,
     Cancel,
-    Finished,
     Generate,
     Shutdown,
     StatusChanged,
     TaskFailed,
+    TaskFinished,
     TaskMessage,
     ToRunner,
     from_runner_adapter,
@@ -216,7 +216,7 @@ class RunnerSupervisor:
                 stream.send_nowait(message)
             except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 logger.warning(f"dropping output of task {message.task_id}: nobody reads it")
-            if isinstance(message, Finished | TaskFailed):
+            if isinstance(message, TaskFinished | TaskFailed):
                 stream.close()
                 self._tasks.pop(message.task_id, None)
 
@@ -239,7 +239,7 @@ class RunnerSupervisor:
     async def generate(
         self, request: Generate
     ) -> AsyncIterator[MemoryObjectReceiveStream[TaskMessage]]:
-        """Submit a task and receive its messages; the stream ends after `Finished`
+        """Submit a task and receive its messages; the stream ends after `TaskFinished`
         or `TaskFailed`. Leaving before that cancels the task on the runner."""
         if self.status == "failed" or self._process is None:
             raise RunnerUnavailable(self.error or f"runner is {self.status}")
