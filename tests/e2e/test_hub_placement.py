@@ -43,15 +43,8 @@ def test_a_hub_model_is_previewed_placed_downloaded_and_served(
             assert previews.status_code == 200, previews.text
             [rank] = previews.json()["placements"][0]["ranks"]
             assert (rank["start_layer"], rank["end_layer"]) == (0, 4)
-            # The card, from the hub's config and index, is now the cluster's.
-            card = node.get("/state")["cards"][MODEL]
-            assert card["n_layers"] == 4 and card["size_source"] != "safetensors_headers"
-            assert (
-                card["weight_files"]
-                == json.loads(
-                    card_from_folder(MODEL, repo).model_dump_json(include={"weight_files"})
-                )["weight_files"]
-            )
+            # A preview changes nothing: the card reaches the cluster with the instance.
+            assert MODEL not in node.get("/state")["cards"]
             assert not [p for p in hub.bytes_sent if p.endswith(".safetensors")]  # no weights yet
 
             # Held mid-download: a request for the placed model meanwhile is a
@@ -61,6 +54,15 @@ def test_a_hub_model_is_previewed_placed_downloaded_and_served(
                 f"{node.base_url}/place_instance", json={"model_id": MODEL}, timeout=30
             )
             assert placed.status_code == 201, placed.text
+            # The card, from the hub's config and index, is now the cluster's.
+            card = node.get("/state")["cards"][MODEL]
+            assert card["n_layers"] == 4 and card["size_source"] != "safetensors_headers"
+            assert (
+                card["weight_files"]
+                == json.loads(
+                    card_from_folder(MODEL, repo).model_dump_json(include={"weight_files"})
+                )["weight_files"]
+            )
             early = httpx.post(
                 f"{node.base_url}/v1/chat/completions",
                 json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},

@@ -25,8 +25,8 @@ from exo.api.openai_routes import openai_routes
 from exo.api.responses_routes import responses_routes
 from exo.api.serving import ModelRouter, relay_read_timeout
 from exo.shared.cluster_view import ClusterView
-from exo.shared.types.commands import ClusterUnavailable, Command, CommandRejected
 from exo.shared.types.ids import ModelId
+from exo.worker.downloads.hub import HubSource, hub_enabled
 from exo.worker.served_model import ServedModel
 
 KEEPALIVE_SECONDS = 10.0
@@ -65,19 +65,8 @@ def create_app(
     app.include_router(anthropic_routes(router, keepalive_seconds))
     app.include_router(responses_routes(router, keepalive_seconds))
 
-    async def command(command: Command) -> int:
-        """Send `command`; the index of its last event, or an API error."""
-        try:
-            return await cluster.send_command(command)
-        except CommandRejected as error:
-            code = "not_found" if error.not_found else "invalid_request"
-            raise APIError(
-                404 if error.not_found else 400, str(error), "invalid_request_error", code
-            ) from error
-        except ClusterUnavailable as error:
-            raise APIError(503, str(error), "server_error", "cluster_unavailable") from error
-
-    app.include_router(instance_routes(cluster, command, delete_model_files))
+    hub = HubSource() if hub_enabled() else None
+    app.include_router(instance_routes(cluster, hub, delete_model_files))
 
     app.include_router(dashboard_routes())
 
