@@ -3,8 +3,10 @@
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Literal, NoReturn
 
 import anyio
 import psutil
@@ -34,254 +36,179 @@ DEFAULT_PREFIX_CACHE_FRACTION = 0.2
 # Share of the data dir's free disk the prefix cache's disk tier may hold by default.
 DEFAULT_PREFIX_CACHE_DISK_FRACTION = 0.1
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
+# Values of a switch's environment variable.
+SWITCH_ON = ("1", "true", "yes", "on")
+SWITCH_OFF = ("", "0", "false", "no", "off")
 
 
-def _flag(
-    parser: argparse._ActionsContainer, flag: str, env: str, default: Any, help: str, **kw: Any
-) -> None:
-    """A flag whose default comes from `env` when set. argparse converts (and
-    reports bad values of) string defaults with the flag's `type` like any input."""
-    shown = "" if default is None else f"; default {default}"
-    parser.add_argument(
-        flag, default=os.environ.get(env, default), help=f"{help} ({env}{shown})", **kw
-    )
+@dataclass(frozen=True)
+class Flag:
+    """A flag whose default an EXO_* environment variable replaces."""
+
+    name: str
+    env: str
+    help: str
+    default: str | None = None  # text, converted by `type` like typed input
+    type: Callable[[str], object] = str
+    switch: bool = False  # on when given, or when `env` is 1/true/yes/on
+    scope: Literal["shared", "node", "cluster"] = "node"  # shared: every command takes it
+
+    def env_value(self) -> str | None:
+        return os.environ.get(self.env) or None  # an empty variable counts as unset
+
+    def env_error(self) -> str | None:
+        """Why the environment variable's value is not one the flag takes, if it is not."""
+        value = self.env_value()
+        if value is None:
+            return None
+        if self.switch:
+            if value.strip().lower() in SWITCH_ON + SWITCH_OFF:
+                return None
+            return (
+                f"{self.env}={value!r}: use 1, true, yes or on to turn it on, "
+                "0, false, no, off or nothing to turn it off"
+            )
+        try:
+            self.type(value)
+        except argparse.ArgumentTypeError as error:
+            return f"{self.env}={value!r}: {error}"
+        except ValueError:
+            return f"{self.env}={value!r}: not a valid {self.name} value"
+        return None
+
+    def add_to(self, parser: argparse._ActionsContainer, *, with_default: bool = True) -> None:
+        value = self.env_value()
+        # A subcommand's copy of a shared flag has no default: the top-level
+        # parser's default stands unless the flag is given after the subcommand.
+        if not with_default:
+            default: object = argparse.SUPPRESS
+        elif self.switch:
+            default = value is not None and value.strip().lower() in SWITCH_ON
+        else:
+            default = self.default if value is None else value
+        if self.switch:
+            parser.add_argument(
+                self.name, action="store_true", default=default, help=f"{self.help} ({self.env}=1)"
+            )
+            return
+        shown = "" if not self.default else f"; default {self.default}"
+        parser.add_argument(
+            self.name, type=self.type, default=default, help=f"{self.help} ({self.env}{shown})"
+        )
 
 
-def _node_parser() -> argparse.ArgumentParser:
+def _log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return text.upper()
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("--data-dir", "EXO_DATA_DIR", "where the node keeps its state", str(default_data_dir()), Path, scope="shared"),
+    Flag("--models-dir", "EXO_MODELS_DIR", "where models live, one folder each (default: DATA_DIR/models)", type=Path, scope="shared"),
+    Flag("--log-level", "EXO_LOG_LEVEL", f"log level, one of {', '.join(LOG_LEVELS)}", "INFO", _log_level, scope="shared"),
+    Flag("--host", "EXO_HOST", "address the HTTP API binds to; 127.0.0.1 keeps it on this machine (the cluster link binds --grpc-host)", "0.0.0.0"),
+    Flag("--api-key", "EXO_API_KEY", "key every API request must carry (Authorization: Bearer KEY or x-api-key: KEY), but /health and the dashboard page; every node of a cluster needs the same one"),
+    Flag("--api-port", "EXO_API_PORT", "HTTP API port", str(DEFAULT_API_PORT), int),
+    Flag("--models-read-only-dirs", "EXO_MODELS_READ_ONLY_DIRS", f"'{os.pathsep}'-separated model directories used in place and never written (e.g. a shared disk)", ""),
+    Flag("--min-free-disk-bytes", "EXO_MIN_FREE_DISK_BYTES", "free disk space downloads never use (default: 1 GiB or 5 %% of the disk, the larger)", type=int),
+    Flag("--model", "EXO_MODEL", "model id to serve on this node from the start; 'none': only what is placed here", DEFAULT_MODEL_ID),
+    Flag("--prefix-cache-bytes", "EXO_PREFIX_CACHE_BYTES", f"KV prefix cache budget in bytes, 0 disables it (default {DEFAULT_PREFIX_CACHE_FRACTION * 100:.0f}%% of RAM)", type=int),
+    Flag("--prefix-cache-disk-bytes", "EXO_PREFIX_CACHE_DISK_BYTES", "bytes of disk the KV prefix cache keeps entries in across restarts, 0 disables it "
+         f"(default {DEFAULT_PREFIX_CACHE_DISK_FRACTION * 100:.0f}%% of the data dir's free disk)", type=int),
+    Flag("--sse-keepalive-seconds", "EXO_SSE_KEEPALIVE_SECONDS", "longest silence on a stream before an SSE keep-alive comment, e.g. during a long prefill", str(KEEPALIVE_SECONDS), float),
+    Flag("--max-concurrent", "EXO_MAX_CONCURRENT", "requests a served model works on at once (its runner's batch)", str(DEFAULT_MAX_CONCURRENT), int),
+    Flag("--max-queued", "EXO_MAX_QUEUED", "requests per served model that wait for a free slot; more are refused with 429", str(DEFAULT_MAX_QUEUED), int),
+    Flag("--queue-timeout-seconds", "EXO_QUEUE_TIMEOUT_SECONDS", "a request that waits longer for a slot is answered 503", str(DEFAULT_QUEUE_TIMEOUT_SECONDS), float),
+    Flag("--max-body-bytes", "EXO_MAX_BODY_BYTES", "largest request body accepted; larger ones are answered 413", str(DEFAULT_MAX_BODY_BYTES), int),
+    Flag("--model-alias", "EXO_MODEL_ALIAS", "comma-separated PATTERN=MODEL rules naming the served model that answers requests for other model names "
+         "(fnmatch patterns, first match wins), e.g. 'claude-*=MODEL'; claude-* names go to the only served model when there is one", ""),
+    Flag("--grpc-host", "EXO_GRPC_HOST", "address the cluster link (gRPC) binds to", "0.0.0.0", scope="cluster"),
+    Flag("--grpc-port", "EXO_GRPC_PORT", "port of the cluster link (gRPC)", str(DEFAULT_GRPC_PORT), int, scope="cluster"),
+    Flag("--peers", "EXO_PEERS", "comma-separated host:grpc_port of other nodes, for networks where discovery is blocked", "", scope="cluster"),
+    Flag("--cluster-secret", "EXO_CLUSTER_SECRET", "shared secret; nodes with different secrets never join each other", "", scope="cluster"),
+    Flag("--force-master", "EXO_FORCE_MASTER", "this node is master whenever it is up", switch=True, scope="cluster"),
+    Flag("--no-worker", "EXO_NO_WORKER", "coordinate only: run no model on this node", switch=True, scope="cluster"),
+    Flag("--no-api", "EXO_NO_API", "serve no HTTP API on this node", switch=True, scope="cluster"),
+    Flag("--no-discovery", "EXO_NO_DISCOVERY", "do not use mDNS; only --peers", switch=True, scope="cluster"),
+    Flag("--node-timeout-seconds", "EXO_NODE_TIMEOUT_SECONDS", "the master removes a node (and its instances) silent for this long", "20", float, scope="cluster"),
+)  # fmt: skip
+
+
+def _parser() -> argparse.ArgumentParser:
+    """`exo` alone runs a node; `exo COMMAND` runs a subcommand. Built per call:
+    defaults come from the environment as it is now."""
     parser = argparse.ArgumentParser(
         prog="exo",
+        usage="%(prog)s [OPTIONS]\n"
+        "       %(prog)s download MODEL [OPTIONS]\n"
+        "       %(prog)s import-gguf PATH --model-id ID [OPTIONS]",
         description="Run an exo node: an OpenAI-compatible API over a local MLX model. "
         "Every flag has an EXO_* environment variable equivalent.",
-        epilog="Other commands: 'exo import-gguf PATH --model-id ID' imports a llama GGUF file; "
-        "'exo download MODEL' downloads a model from the Hugging Face hub.",
-    )
-    _flag(
-        parser,
-        "--host",
-        "EXO_HOST",
-        "0.0.0.0",
-        "address the HTTP API binds to; 127.0.0.1 keeps it on this machine (the cluster link "
-        "binds --grpc-host)",
-    )
-    _flag(
-        parser,
-        "--api-key",
-        "EXO_API_KEY",
-        None,
-        "key every API request must carry (Authorization: Bearer KEY or x-api-key: KEY), but "
-        "/health and the dashboard page; every node of a cluster needs the same one",
-    )
-    _flag(parser, "--api-port", "EXO_API_PORT", str(DEFAULT_API_PORT), "HTTP API port", type=int)
-    _flag(
-        parser,
-        "--data-dir",
-        "EXO_DATA_DIR",
-        str(default_data_dir()),
-        "where the node keeps its state",
-        type=Path,
-    )
-    _flag(
-        parser,
-        "--models-dir",
-        "EXO_MODELS_DIR",
-        None,
-        "where models live, one folder each (default: DATA_DIR/models)",
-        type=Path,
-    )
-    _flag(
-        parser,
-        "--models-read-only-dirs",
-        "EXO_MODELS_READ_ONLY_DIRS",
-        "",
-        f"'{os.pathsep}'-separated model directories used in place and never written (e.g. a shared disk)",
-    )
-    _flag(
-        parser,
-        "--min-free-disk-bytes",
-        "EXO_MIN_FREE_DISK_BYTES",
-        None,
-        "free disk space downloads never use (default: 1 GiB or 5 %% of the disk, the larger)",
-        type=int,
-    )
-    _flag(
-        parser,
-        "--model",
-        "EXO_MODEL",
-        DEFAULT_MODEL_ID,
-        "model id to serve on this node from the start; 'none': only what is placed here",
-    )
-    _flag(
-        parser,
-        "--prefix-cache-bytes",
-        "EXO_PREFIX_CACHE_BYTES",
-        None,
-        f"KV prefix cache budget in bytes, 0 disables it (default {DEFAULT_PREFIX_CACHE_FRACTION * 100:.0f}%% of RAM)",
-        type=int,
-    )
-    _flag(
-        parser,
-        "--prefix-cache-disk-bytes",
-        "EXO_PREFIX_CACHE_DISK_BYTES",
-        None,
-        "bytes of disk the KV prefix cache keeps entries in across restarts, 0 disables it "
-        f"(default {DEFAULT_PREFIX_CACHE_DISK_FRACTION * 100:.0f}%% of the data dir's free disk)",
-        type=int,
-    )
-    _flag(
-        parser,
-        "--sse-keepalive-seconds",
-        "EXO_SSE_KEEPALIVE_SECONDS",
-        str(KEEPALIVE_SECONDS),
-        "longest silence on a stream before an SSE keep-alive comment, e.g. during a long prefill",
-        type=float,
-    )
-    _flag(
-        parser,
-        "--max-concurrent",
-        "EXO_MAX_CONCURRENT",
-        str(DEFAULT_MAX_CONCURRENT),
-        "requests a served model works on at once (its runner's batch)",
-        type=int,
-    )
-    _flag(
-        parser,
-        "--max-queued",
-        "EXO_MAX_QUEUED",
-        str(DEFAULT_MAX_QUEUED),
-        "requests per served model that wait for a free slot; more are refused with 429",
-        type=int,
-    )
-    _flag(
-        parser,
-        "--queue-timeout-seconds",
-        "EXO_QUEUE_TIMEOUT_SECONDS",
-        str(DEFAULT_QUEUE_TIMEOUT_SECONDS),
-        "a request that waits longer for a slot is answered 503",
-        type=float,
-    )
-    _flag(
-        parser,
-        "--max-body-bytes",
-        "EXO_MAX_BODY_BYTES",
-        str(DEFAULT_MAX_BODY_BYTES),
-        "largest request body accepted; larger ones are answered 413",
-        type=int,
-    )
-    _flag(
-        parser,
-        "--model-alias",
-        "EXO_MODEL_ALIAS",
-        "",
-        "comma-separated PATTERN=MODEL rules naming the served model that answers requests for "
-        "other model names (fnmatch patterns, first match wins), e.g. 'claude-*=MODEL'; "
-        "claude-* names go to the only served model when there is one",
-    )
-    _flag(
-        parser,
-        "--log-level",
-        "EXO_LOG_LEVEL",
-        "INFO",
-        "log level",
-        type=str.upper,
-        choices=LOG_LEVELS,
     )
     cluster = parser.add_argument_group("cluster")
-    _flag(
-        cluster,
-        "--grpc-host",
-        "EXO_GRPC_HOST",
-        "0.0.0.0",
-        "address the cluster link (gRPC) binds to",
+    for flag in FLAGS:
+        flag.add_to(cluster if flag.scope == "cluster" else parser)
+    commands = parser.add_subparsers(
+        dest="command", title="commands (none: run a node)", metavar="COMMAND"
     )
-    _flag(
-        cluster,
-        "--grpc-port",
-        "EXO_GRPC_PORT",
-        str(DEFAULT_GRPC_PORT),
-        "port of the cluster link (gRPC)",
-        type=int,
-    )
-    _flag(
-        cluster,
-        "--peers",
-        "EXO_PEERS",
-        "",
-        "comma-separated host:grpc_port of other nodes, for networks where discovery is blocked",
-    )
-    _flag(
-        cluster,
-        "--cluster-secret",
-        "EXO_CLUSTER_SECRET",
-        "",
-        "shared secret; nodes with different secrets never join each other",
-    )
-    _switch(cluster, "--force-master", "EXO_FORCE_MASTER", "this node is master whenever it is up")
-    _switch(cluster, "--no-worker", "EXO_NO_WORKER", "coordinate only: run no model on this node")
-    _switch(cluster, "--no-api", "EXO_NO_API", "serve no HTTP API on this node")
-    _switch(cluster, "--no-discovery", "EXO_NO_DISCOVERY", "do not use mDNS; only --peers")
-    _flag(
-        cluster,
-        "--node-timeout-seconds",
-        "EXO_NODE_TIMEOUT_SECONDS",
-        "20",
-        "the master removes a node (and its instances) silent for this long",
-        type=float,
-    )
-    return parser  # fmt: skip
-
-
-def _switch(parser: argparse._ActionsContainer, flag: str, env: str, help: str) -> None:
-    default = os.environ.get(env, "").lower() in ("1", "true", "yes", "on")
-    parser.add_argument(flag, action="store_true", default=default, help=f"{help} ({env}=1)")
-
-
-def _models_dir_flag(parser: argparse.ArgumentParser) -> None:
-    _flag(
-        parser,
-        "--models-dir",
-        "EXO_MODELS_DIR",
-        str(default_data_dir() / "models"),
-        "where models live",
-        type=Path,
-    )
-
-
-def _import_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="exo import-gguf",
-        description="Import a llama-architecture GGUF file as an MLX model folder.",
-    )
-    parser.add_argument("path", type=Path, help="the .gguf file")
-    parser.add_argument(
-        "--model-id", required=True, help="id to serve it under, e.g. my-org/my-model"
-    )
-    _models_dir_flag(parser)
-    return parser
-
-
-def _download_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # `prog` given: the default would repeat the top-level usage.
+    download = commands.add_parser(
+        "download",
         prog="exo download",
+        help="download a model from the Hugging Face hub",
         description="Download a model from the Hugging Face hub (HF_ENDPOINT, HF_TOKEN) into "
         "the models directory, resuming partial files; Ctrl-C stops, running it again resumes.",
     )
-    parser.add_argument(
+    download.add_argument(
         "model_id", help="hub repo id, e.g. mlx-community/Llama-3.2-1B-Instruct-4bit"
     )
-    _models_dir_flag(parser)
+    import_gguf = commands.add_parser(
+        "import-gguf",
+        prog="exo import-gguf",
+        help="import a llama GGUF file as an MLX model",
+        description="Import a llama-architecture GGUF file as an MLX model folder.",
+    )
+    import_gguf.add_argument("path", type=Path, help="the .gguf file")
+    import_gguf.add_argument(
+        "--model-id", required=True, help="id to serve it under, e.g. my-org/my-model"
+    )
+    for subcommand in (download, import_gguf):
+        for flag in FLAGS:
+            if flag.scope == "shared":
+                flag.add_to(subcommand, with_default=False)
     return parser
 
 
-def _download(argv: list[str]) -> None:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = _parser()
+    # Checked before parsing so that the error names the variable, not its flag.
+    for flag in FLAGS:
+        if error := flag.env_error():
+            parser.error(error)
+    args = parser.parse_args(argv)
+    if args.command is not None:
+        # A node's flag before the subcommand parses, but the subcommand would drop it.
+        given = {token.split("=")[0] for token in argv[: argv.index(args.command)]}
+        if dropped := sorted(given & {f.name for f in FLAGS if f.scope != "shared"}):
+            parser.error(f"{', '.join(dropped)}: not an option of 'exo {args.command}'")
+    return args
+
+
+def models_dir(args: argparse.Namespace) -> Path:
+    """One rule for the node and every subcommand: --models-dir, else DATA_DIR/models."""
+    return args.models_dir or args.data_dir / "models"
+
+
+def _download(args: argparse.Namespace) -> None:
     from exo.worker.downloads.cli import download_with_progress_bar
 
-    args = _download_parser().parse_args(argv)
     try:
         model_id = validate_model_id(args.model_id)
     except InvalidModelId as error:
         _fail(str(error))
     try:
-        sys.exit(anyio.run(download_with_progress_bar, model_id, args.models_dir))
+        sys.exit(anyio.run(download_with_progress_bar, model_id, models_dir(args)))
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted: run the same command again to resume\n")
         sys.exit(130)
@@ -292,31 +219,21 @@ def _fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def _import_gguf(argv: list[str]) -> None:
+def _import_gguf(args: argparse.Namespace) -> None:
     from exo.models.gguf_import import GGUFImportError, import_gguf
 
-    args = _import_parser().parse_args(argv)
+    models = models_dir(args)
     try:
         model_id = validate_model_id(args.model_id)
-        path = import_gguf(args.path, model_dir(args.models_dir, model_id))
+        path = import_gguf(args.path, model_dir(models, model_id))
     except (InvalidModelId, GGUFImportError) as error:
         _fail(str(error))
-    logger.info(f"serve it with: exo --model {model_id} --models-dir {args.models_dir}")
+    logger.info(f"serve it with: exo --model {model_id} --models-dir {models}")
     print(path)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["import-gguf"]:
-        _import_gguf(argv[1:])
-        return
-    if argv[:1] == ["download"]:
-        _download(argv[1:])
-        return
-    args = _node_parser().parse_args(argv)
-    logger.remove()
-    logger.add(sys.stderr, level=args.log_level)
-    os.environ["EXO_LOG_LEVEL"] = args.log_level  # runners log at the same level
+def node_config(args: argparse.Namespace) -> NodeConfig:
+    """The node's settings from its flags; a bad value exits with a sentence."""
     try:
         model_id = None if args.model == "none" else validate_model_id(args.model)
     except InvalidModelId as error:
@@ -353,11 +270,11 @@ def main(argv: list[str] | None = None) -> None:
         disk_bytes = int(free * DEFAULT_PREFIX_CACHE_DISK_FRACTION)
     if disk_bytes < 0:
         _fail("--prefix-cache-disk-bytes must be 0 (disabled) or a positive number of bytes")
-    config = NodeConfig(
+    return NodeConfig(
         host=args.host,
         api_port=args.api_port,
         data_dir=args.data_dir,
-        models_dir=args.models_dir or args.data_dir / "models",
+        models_dir=models_dir(args),
         model_id=model_id,
         prefix_cache_bytes=cache_bytes,
         prefix_cache_disk_bytes=disk_bytes,
@@ -379,6 +296,11 @@ def main(argv: list[str] | None = None) -> None:
         ),
         min_free_disk_bytes=args.min_free_disk_bytes,
     )
+
+
+def _run_node(args: argparse.Namespace) -> None:
+    os.environ["EXO_LOG_LEVEL"] = args.log_level  # runners log at the same level
+    config = node_config(args)
     keep_large_buffers_in_the_heap()
     try:
         anyio.run(run_node, config)
@@ -386,6 +308,20 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(error))
     except KeyboardInterrupt:
         pass
+
+
+COMMANDS: dict[str | None, Callable[[argparse.Namespace], None]] = {
+    None: _run_node,
+    "download": _download,
+    "import-gguf": _import_gguf,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logger.remove()
+    logger.add(sys.stderr, level=args.log_level)
+    COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":

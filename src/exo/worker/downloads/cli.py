@@ -63,5 +63,8 @@ async def download_with_progress_bar(model_id: ModelId, models_dir: Path) -> int
         logger.error(str(error))
         return 1
     sys.stderr.write("\n" if tty else "")
-    logger.info(f"done: serve it with 'exo --model {model_id}' or place it across the cluster")
+    logger.info(
+        f"done: serve it with 'exo --model {model_id} --models-dir {models_dir}' "
+        "or place it across the cluster"
+    )
     return 0
