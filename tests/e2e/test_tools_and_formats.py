@@ -160,6 +160,28 @@ def test_json_schema_output_validates(node: NodeProcess) -> None:
     jsonschema.validate(json.loads(reply.choices[0].message.content or ""), schema)
 
 
+def test_a_strict_tool_under_auto_gets_text_or_a_call_that_validates(node: NodeProcess) -> None:
+    strict_weather: ChatCompletionToolParam = {
+        "type": "function",
+        "function": {**TOOLS[0]["function"], "strict": True},
+    }
+    reply = client(node).chat.completions.create(
+        model=DEFAULT_MODEL_ID,
+        messages=ASK_WEATHER,
+        tools=[strict_weather, TOOLS[1]],
+        tool_choice="auto",
+        max_tokens=60,
+    )
+    message = reply.choices[0].message
+    assert "<tool_call>" not in (message.content or ""), "a call came back as text"
+    for call in message.tool_calls or []:
+        assert call.type == "function"
+        if call.function.name == "get_weather":
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
+        else:
+            assert isinstance(json.loads(call.function.arguments), dict)
+
+
 def test_an_uncompilable_schema_is_a_400_naming_the_problem(node: NodeProcess) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client(node).chat.completions.create(

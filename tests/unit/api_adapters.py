@@ -1,8 +1,8 @@
 """Shared by the API adapter tests: a reply that plays scripted events, and
 checks on how a request type treats its fields."""
 
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, get_args
 
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -28,12 +28,27 @@ def scripted(events: Sequence[ReplyEvent], error: APIError | None = None) -> Pre
 def assert_fields_classified(
     request: type[BaseModel],
     honoured: frozenset[str],
-    ignored: frozenset[str],
+    ignored: Mapping[str, str],
     rejected: set[str],
 ) -> None:
-    """Every field of `request` is in exactly one of the three lists."""
-    assert not (honoured & ignored or honoured & rejected or ignored & rejected)
-    assert honoured | ignored | rejected == set(request.model_fields)
+    """Every field of `request` is in exactly one of the three lists, and each
+    dotted path of `ignored` names a field of a part of the request."""
+    top = {path for path in ignored if "." not in path}
+    assert not (honoured & top or honoured & rejected or top & rejected)
+    assert honoured | top | rejected == set(request.model_fields)
+    for path in set(ignored) - top:
+        models: list[type[BaseModel]] = [request]
+        for name in path.split("."):
+            fields = [model.model_fields[name] for model in models if name in model.model_fields]
+            assert fields, f"{path}: no part of the request declares {name!r}"
+            models = [model for field in fields for model in _models_in(field.annotation)]
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field's type holds, through lists, unions and `Annotated`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in get_args(annotation) for model in _models_in(arg)]
 
 
 def assert_rejected(

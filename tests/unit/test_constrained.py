@@ -14,6 +14,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from pydantic import ValidationError
 
+from exo.api.chat_prompt import render_prompt, tool_call_format
+from exo.api.errors import APIError
+from exo.api.generation import constraint_for
 from exo.engine.constraint_grammar import ConstraintError, check_constraint
 from exo.engine.mlx.constrained import (
     CompiledConstraint,
@@ -21,6 +24,10 @@ from exo.engine.mlx.constrained import (
     compile_constraint,
 )
 from exo.engine.mlx.load import load_for_inference
+from exo.engine.tool_calls.formats import MISTRAL_FORMAT, ToolCallFamily
+from exo.engine.tool_calls.parser import parse_tool_calls
+from exo.models.chat_tokenizer import load_chat_tokenizer
+from exo.shared.types.chat import ChatRequest, ChatTurn, ToolFunction
 from exo.shared.types.constraints import (
     Constraint,
     JsonObject,
@@ -39,6 +46,18 @@ WEATHER_ARGUMENTS: dict[str, Any] = {
 WEATHER = ToolSpec(name="get_weather", parameters=WEATHER_ARGUMENTS)
 CLOCK = ToolSpec(name="get_time")
 HERMES = ToolCalls(tools=(WEATHER, CLOCK), prefix="<tool_call>\n", suffix="\n</tool_call>")
+# tool_choice auto with a strict tool: text, or text then schema-valid calls
+HERMES_OR_TEXT = HERMES.model_copy(update={"text_allowed": True, "markers": ("<tool_call>",)})
+LLAMA_OR_TEXT = HERMES.model_copy(
+    update={
+        "prefix": "",
+        "suffix": "",
+        "arguments_key": "parameters",
+        "markers": ("<|python_tag|>",),
+        "bare_json_start": True,
+        "text_allowed": True,
+    }
+)
 MISTRAL_LIKE = HERMES.model_copy(update={"prefix": "[CALLS]", "suffix": "", "list_form": True})
 COUNT = JsonSchema(
     json_schema={
@@ -50,6 +69,8 @@ COUNT = JsonSchema(
 )
 WEATHER_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 CLOCK_CALL = '{"name": "get_time", "arguments": {}}'
+BAD_WEATHER_CALL = '{"name": "get_weather", "arguments": {"town": "Paris"}}'
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +167,30 @@ def _admits(constraint: Constraint, tokenizer: TokenizerWrapper, text: str) -> b
             f"[CALLS][{WEATHER_CALL}, {CLOCK_CALL}]",
             True,
         ),
+        (HERMES_OR_TEXT, "It is sunny in Paris {today} <b>", True),
+        (HERMES_OR_TEXT, "", True),
+        (HERMES_OR_TEXT, f"<tool_call>\n{WEATHER_CALL}\n</tool_call>", True),
+        (HERMES_OR_TEXT, f"Let me check.\n<tool_call>\n{WEATHER_CALL}\n</tool_call>", True),
+        (HERMES_OR_TEXT, f"<tool_call>\n{BAD_WEATHER_CALL}\n</tool_call>", False),
+        (HERMES_OR_TEXT, '<tool_call>\n{"name": "get_wind", "arguments": {}}\n</tool_call>', False),
+        (HERMES_OR_TEXT, "a <tool_call> that is no call", False),
+        (HERMES_OR_TEXT, f"<tool_call>\n{WEATHER_CALL}\n</tool_call> and text", False),
+        (
+            HERMES_OR_TEXT,
+            f"<tool_call>\n{WEATHER_CALL}\n</tool_call>\n<tool_call>\n{CLOCK_CALL}\n</tool_call>",
+            False,
+        ),
+        (
+            HERMES_OR_TEXT.model_copy(update={"parallel": True}),
+            f"So: <tool_call>\n{WEATHER_CALL}\n</tool_call>\n<tool_call>\n{CLOCK_CALL}\n</tool_call>",
+            True,
+        ),
+        (LLAMA_OR_TEXT, "Paris is {sunny}", True),
+        (LLAMA_OR_TEXT, LLAMA_CALL, True),
+        (LLAMA_OR_TEXT, f"\n {LLAMA_CALL}", True),
+        (LLAMA_OR_TEXT, f"Checking <|python_tag|>{LLAMA_CALL}", True),
+        (LLAMA_OR_TEXT, '{"name": "get_weather", "parameters": {"town": "Paris"}}', False),
+        (LLAMA_OR_TEXT, " {not a call}", False),
         (
             HERMES.model_copy(update={"prefix": 'say "hi" \\ é\t'}),
             f'say "hi" \\ é\t{WEATHER_CALL}\n</tool_call>',
@@ -157,6 +202,17 @@ def test_constraint_admits_exactly_its_texts(
     tokenizer: TokenizerWrapper, constraint: Constraint, text: str, admitted: bool
 ) -> None:
     assert _admits(constraint, tokenizer, text) == admitted
+
+
+def test_with_text_allowed_a_special_token_marker_is_asked_for_as_that_token(
+    tokenizer: TokenizerWrapper,
+) -> None:
+    constraint = HERMES_OR_TEXT.model_copy(
+        update={"prefix": "<|im_start|>\n", "markers": ("<|im_start|>",)}
+    )
+    assert _admits(constraint, tokenizer, "No call needed.")
+    assert _admits(constraint, tokenizer, f"Sure <|im_start|>\n{WEATHER_CALL}\n</tool_call>")
+    assert not _admits(constraint, tokenizer, f"<|im_start|>\n{BAD_WEATHER_CALL}\n</tool_call>")
 
 
 def test_only_eos_follows_a_complete_reply(tokenizer: TokenizerWrapper) -> None:
@@ -254,6 +310,10 @@ def test_without_strict_an_unimplemented_keyword_is_ignored(tokenizer: Tokenizer
         ({"tools": ()}, "at least 1 item"),
         ({"tools": (WEATHER, WEATHER)}, "tool names must be unique, repeated: get_weather"),
         ({"named": "get_wind"}, "named tool 'get_wind' is not among the tools"),
+        (
+            {"text_allowed": True, "markers": ("<call>",)},
+            "with text allowed, a prefix starts with one of the markers",
+        ),
     ],
 )
 def test_tool_calls_are_checked_when_built(fields: dict[str, Any], error: str) -> None:
@@ -316,3 +376,56 @@ def test_a_named_tool_call_is_the_markers_around_a_valid_call(
     call = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
     assert list(call) == ["name", "arguments"] and call["name"] == "get_weather"
     jsonschema.validate(call["arguments"], WEATHER_ARGUMENTS)
+
+
+STRICT_WEATHER = ToolFunction(
+    name="get_weather",
+    description="The current weather in a city",
+    parameters=WEATHER_ARGUMENTS,
+    strict=True,
+)
+ASK_WEATHER = (ChatTurn(role="user", content="What is the weather in Paris?"),)
+
+
+def test_a_strict_tool_under_auto_is_constrained_to_text_or_a_valid_call(
+    loaded: tuple[nn.Module, TokenizerWrapper], smollm_dir: Path
+) -> None:
+    model, tokenizer = loaded
+    chat_tokenizer = load_chat_tokenizer(smollm_dir)
+    request = ChatRequest(model="m", turns=ASK_WEATHER, tools=(STRICT_WEATHER,))
+    fmt = tool_call_format(chat_tokenizer)
+    assert fmt.family == ToolCallFamily.FALLBACK  # SmolLM2's template has no tools
+    constraint = constraint_for(request, fmt)
+    assert isinstance(constraint, ToolCalls) and constraint.text_allowed
+    check_constraint(constraint)
+    matcher = compile_constraint(tokenizer, constraint).matcher()
+    tokens: list[int] = []
+    for token, _ in generate_step(
+        mx.array(render_prompt(chat_tokenizer, request).tokens),
+        model,
+        max_tokens=60,
+        logits_processors=[matcher],
+    ):
+        if token in tokenizer.eos_token_ids:
+            break
+        tokens.append(token)
+    reply = parse_tool_calls(fmt, tokenizer.decode(tokens))
+    # Text, or calls whose arguments validate; never a call returned as text.
+    assert "<tool_call>" not in reply.content
+    for call in reply.tool_calls:
+        assert call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), WEATHER_ARGUMENTS)
+
+
+def test_a_tool_that_is_not_strict_leaves_auto_unconstrained() -> None:
+    tool = STRICT_WEATHER.model_copy(update={"strict": False})
+    request = ChatRequest(model="m", turns=ASK_WEATHER, tools=(tool,))
+    assert constraint_for(request, MISTRAL_FORMAT) is None
+
+
+def test_a_strict_tool_in_a_syntax_exo_cannot_constrain_is_a_400() -> None:
+    request = ChatRequest(model="m", turns=ASK_WEATHER, tools=(STRICT_WEATHER,))
+    with pytest.raises(APIError) as caught:
+        constraint_for(request, MISTRAL_FORMAT)
+    assert caught.value.status == 400 and caught.value.param == "tools"
+    assert "tools[0] asks for strict arguments" in caught.value.message

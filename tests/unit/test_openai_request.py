@@ -16,6 +16,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 from pydantic import ValidationError
 
 from exo.api.errors import install_error_handlers
+from exo.api.openai_chat import chat_completion
 from exo.api.openai_translate import completion_to_chat_request, to_chat_request
 from exo.api.openai_types import (
     HONOURED_CHAT_FIELDS,
@@ -34,6 +35,7 @@ from exo.api.openai_types import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    CompletionTokensDetails,
     CompletionUsage,
     Delta,
     FunctionCall,
@@ -41,7 +43,9 @@ from exo.api.openai_types import (
     PromptTokensDetails,
     ToolCallDelta,
 )
-from exo.api.reply_stream import TokenLogprob, TopLogprob
+from exo.api.reply_stream import ReplyFinished, TokenLogprob, TopLogprob
+from exo.engine.reasoning import ReasoningPiece
+from exo.engine.tool_calls.parser import TextPiece
 from exo.shared.types.chat import (
     ChatRequest,
     ChatTurn,
@@ -55,7 +59,8 @@ from exo.shared.types.chat import (
     ToolFunction,
 )
 from exo.shared.types.ids import ModelId
-from tests.unit.api_adapters import assert_fields_classified
+from exo.shared.types.tasks import Usage
+from tests.unit.api_adapters import assert_fields_classified, scripted
 
 USER = {"role": "user", "content": "Hi"}
 BASE: dict[str, Any] = {"model": "m", "messages": [USER]}
@@ -101,7 +106,7 @@ def test_every_field_of_openais_requests_is_classified() -> None:
     assert official_chat <= set(ChatCompletionRequest.model_fields)
     official_legacy = set(completion_create_params.CompletionCreateParamsBase.__annotations__)
     assert official_legacy | {"stream"} <= set(CompletionRequest.model_fields)
-    assert set(CompletionRequest.model_fields) >= IGNORED_COMPLETION_FIELDS
+    assert set(CompletionRequest.model_fields) >= set(IGNORED_COMPLETION_FIELDS)
 
 
 def tool_turn(**extra: Any) -> list[dict[str, Any]]:
@@ -303,7 +308,12 @@ TRANSLATIONS: list[tuple[dict[str, Any], ChatRequest]] = [
         {
             "response_format": {
                 "type": "json_schema",
-                "json_schema": {"name": "answer", "schema": {"type": "integer"}, "strict": True},
+                "json_schema": {
+                    "name": "answer",
+                    "description": "ignored: the schema is not shown to the model",
+                    "schema": {"type": "integer"},
+                    "strict": True,
+                },
             }
         },
         expected(
@@ -472,6 +482,7 @@ USAGE = CompletionUsage(
     completion_tokens=5,
     total_tokens=15,
     prompt_tokens_details=PromptTokensDetails(cached_tokens=8),
+    completion_tokens_details=CompletionTokensDetails(reasoning_tokens=2),
 )
 
 
@@ -608,3 +619,17 @@ HI = (ChatTurn(role="user", content="Hi"),)
 def test_a_chat_request_has_one_consistent_input(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         ChatRequest.model_validate({"model": "m", **fields})
+
+
+async def test_usage_counts_the_reasoning_tokens() -> None:
+    done = ReplyFinished(
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=8),
+        reasoning_tokens=3,
+    )
+    events = [ReasoningPiece(text="Think."), TextPiece(text="Hi"), done]
+    reply = await chat_completion(scripted(events))
+    parsed = openai.types.chat.ChatCompletion.model_validate(reply.model_dump())
+    assert parsed.usage is not None and parsed.usage.completion_tokens_details is not None
+    assert parsed.usage.completion_tokens_details.reasoning_tokens == 3
+    assert parsed.choices[0].message.model_dump()["reasoning_content"] == "Think."

@@ -5,6 +5,7 @@ event stream and the response object the official `openai` client reads."""
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import openai.types.responses as wire
@@ -15,6 +16,7 @@ from openai.types.responses import response_create_params
 from pydantic import TypeAdapter
 
 from exo.api.errors import APIError
+from exo.api.generation import reasoning_tokens
 from exo.api.reply_stream import ReplyEvent, ReplyFinished
 from exo.api.responses import response_object, response_stream, to_chat_request
 from exo.api.responses_types import (
@@ -23,7 +25,7 @@ from exo.api.responses_types import (
     REJECTED_RESPONSES_FIELDS,
     ResponsesRequest,
 )
-from exo.engine.reasoning import ReasoningPiece
+from exo.engine.reasoning import ReasoningPiece, detect_thinking_markers
 from exo.engine.tool_calls.parser import (
     TextPiece,
     ToolCallAbandoned,
@@ -31,6 +33,7 @@ from exo.engine.tool_calls.parser import (
     ToolCallEnd,
     ToolCallStart,
 )
+from exo.models.chat_tokenizer import load_chat_tokenizer
 from exo.shared.types.chat import (
     ChatRequest,
     ChatTurn,
@@ -162,6 +165,7 @@ TRANSLATIONS: list[tuple[str, dict[str, Any], ChatRequest]] = [
                 "format": {
                     "type": "json_schema",
                     "name": "out",
+                    "description": "ignored: the schema is not shown to the model",
                     "schema": {"type": "object"},
                     "strict": True,
                 }
@@ -399,6 +403,44 @@ async def test_whole_response() -> None:
         '{"path":"a"}',
         "completed",
     )
+
+
+async def test_usage_counts_the_reasoning_tokens() -> None:
+    done = ReplyFinished(finish_reason="stop", usage=USAGE, reasoning_tokens=4)
+    events: list[ReplyEvent] = [ReasoningPiece(text="Think."), TextPiece(text="Hi"), done]
+    whole = wire.Response.model_validate(
+        await response_object(scripted(events), ResponsesRequest.model_validate(BASE))
+    )
+    final = wire.Response.model_validate((await streamed(events))[-1]["response"])
+    for response in (whole, final):
+        assert response.usage is not None
+        assert response.usage.output_tokens_details.reasoning_tokens == 4
+        assert response.usage.output_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("output", "thinking", "counted"),
+    [
+        (
+            "<think>\nOne two three.\n</think>\n\nFour five six seven eight.",
+            True,
+            "<think>\nOne two three.\n</think>",
+        ),
+        # the prompt opened the thinking: the output starts inside it
+        ("One two three.\n</think>\n\nFour five.", True, "One two three.\n</think>"),
+        # cut off while thinking: all of it
+        ("<think>\nOne two three", True, "<think>\nOne two three"),
+        ("Four five.", False, ""),
+    ],
+)
+def test_reasoning_tokens_are_the_output_up_to_the_thinkings_end(
+    smollm_dir: Path, output: str, thinking: bool, counted: str
+) -> None:
+    tokenizer = load_chat_tokenizer(smollm_dir)
+    markers = detect_thinking_markers("</think>") if thinking else None
+    want = len(tokenizer.encode(counted, add_special_tokens=False))
+    assert reasoning_tokens(tokenizer, markers, output, 100) == want
+    assert reasoning_tokens(tokenizer, markers, output, 2) == min(want, 2)
 
 
 async def test_an_incomplete_response_says_why() -> None:

@@ -5,8 +5,9 @@ No field is dropped silently: every field of Anthropic's requests (the
 official client's, beta ones included) is declared here and is honoured,
 rejected with a 400 naming it when set, or accepted and ignored
 (`*_MESSAGES_FIELDS` below; the README lists them). A field no list names is
-rejected as unknown (`extra="forbid"`). Within blocks and tools, the ignored
-fields are marked where they are declared.
+rejected as unknown (`extra="forbid"`). The ignored fields of blocks, tools
+and settings are in the same list (`IGNORED_MESSAGES_FIELDS`), marked
+`# ignored` where they are declared.
 
 The headers `anthropic-version`, `anthropic-beta` and `x-api-key` are accepted;
 the versions and betas change nothing in what exo does.
@@ -59,7 +60,7 @@ class TextBlockParam(FrozenModel):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None  # ignored
-    citations: list[dict[str, Any]] | None = None  # ignored: exo cites nothing
+    citations: list[dict[str, Any]] | None = None  # ignored
 
 
 class ThinkingBlockParam(FrozenModel):
@@ -74,7 +75,7 @@ class RedactedThinkingBlockParam(FrozenModel):
     """Another server's encrypted reasoning: accepted, and not shown to the model."""
 
     type: Literal["redacted_thinking"]
-    data: str
+    data: str  # ignored
 
 
 class ToolUseBlockParam(FrozenModel):
@@ -83,7 +84,7 @@ class ToolUseBlockParam(FrozenModel):
     name: str
     input: dict[str, Any]
     cache_control: CacheControl | None = None  # ignored
-    caller: dict[str, Any] | None = None  # ignored: every call is the model's
+    caller: dict[str, Any] | None = None  # ignored
     toolset_name: str | None = None  # ignored
 
 
@@ -91,8 +92,7 @@ class ToolResultBlockParam(FrozenModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlockParam] | None = None
-    # ignored: clients write the error into the content, which the model reads
-    is_error: bool | None = None
+    is_error: bool | None = None  # ignored
     cache_control: CacheControl | None = None  # ignored
     toolset_name: str | None = None  # ignored
 
@@ -158,8 +158,7 @@ class SystemMessageParam(FrozenModel):
     content: str | list[TextBlockParam]
     # "next_user_message": shown only until a later user message exists
     clear_at: Literal["next_user_message", "never"] | None = None
-    # ignored: a turn's own effort; the request's `output_config.effort` applies
-    output_config: OutputConfig | None = None
+    output_config: OutputConfig | None = None  # ignored
 
     @field_validator("content", mode="before")
     @classmethod
@@ -184,10 +183,8 @@ class ToolParam(FrozenModel):
     type: Literal["custom"] | None = None
     strict: bool | None = None
     cache_control: CacheControl | None = None  # ignored
-    # ignored: exo has no tool search, so the model sees every tool from the start
-    defer_loading: bool | None = None
-    # ignored: a call goes out when it is complete and checked
-    eager_input_streaming: bool | None = None
+    defer_loading: bool | None = None  # ignored
+    eager_input_streaming: bool | None = None  # ignored
     input_examples: list[dict[str, Any]] | None = None  # ignored
     allowed_callers: list[str] | None = None  # ignored
 
@@ -225,8 +222,7 @@ ThinkingDisplay = Literal["summarized", "omitted"]
 
 class ThinkingEnabled(FrozenModel):
     type: Literal["enabled"]
-    # ignored: the thinking counts toward max_tokens and is not capped on its own
-    budget_tokens: int = Field(ge=1)
+    budget_tokens: int = Field(ge=1)  # ignored
     display: ThinkingDisplay | None = None
 
 
@@ -256,23 +252,41 @@ REJECTED_MESSAGES_FIELDS: dict[str, str] = {
     "container": "containers are not supported: exo runs no code",
     "thread": "threads are not supported: send the whole conversation in messages",
 }
-IGNORED_MESSAGES_FIELDS = frozenset(
-    {
-        "metadata",
-        "service_tier",
-        "speed",
-        "inference_geo",
-        "cache_control",
-        "context_management",
-        "compaction",
-        "diagnostics",
-        "billing_policy",
-        "fallbacks",
-        "fallback_credit_token",
-        "user_profile_id",
-        "workspace_id",
-    }
-)
+_CACHE_BY_TOKENS = "the prefix cache finds shared prefixes itself: it needs no breakpoints"
+_ANTHROPIC_ACCOUNTS = "Anthropic's accounts and billing: none here"
+# Accepted and ignored, with why: the README's list. A top-level name is a
+# field of the request; a dotted path, a field of a part of it (lists and
+# unions looked through). A test checks that each path names a declared field.
+IGNORED_MESSAGES_FIELDS: dict[str, str] = {
+    "metadata": "an end user's id, for Anthropic's abuse monitoring: exo has none",
+    "service_tier": "exo serves every request alike",
+    "speed": "exo serves every request alike",
+    "inference_geo": "the model runs in this cluster",
+    "cache_control": _CACHE_BY_TOKENS,
+    "context_management": "exo never clears context: the client sends what the model sees",
+    "compaction": "exo does not summarize conversations: the reply is a normal answer",
+    "diagnostics": "exo explains no cache misses in the reply",
+    "billing_policy": _ANTHROPIC_ACCOUNTS,
+    "fallbacks": "exo never declines for policy reasons, so never falls back",
+    "fallback_credit_token": _ANTHROPIC_ACCOUNTS,
+    "user_profile_id": _ANTHROPIC_ACCOUNTS,
+    "workspace_id": _ANTHROPIC_ACCOUNTS,
+    "thinking.budget_tokens": "the thinking counts toward max_tokens and is not capped on its own",
+    "messages.output_config": "a turn's own effort: the request's output_config.effort applies",
+    "system.cache_control": _CACHE_BY_TOKENS,
+    "messages.content.cache_control": _CACHE_BY_TOKENS,
+    "messages.content.citations": "exo cites nothing",
+    "messages.content.data": "redacted_thinking: another server's encrypted reasoning, "
+    "not shown to the model",
+    "messages.content.caller": "every call is the model's",
+    "messages.content.toolset_name": "not shown to the model",
+    "messages.content.is_error": "clients write the error into the content, which the model reads",
+    "tools.cache_control": _CACHE_BY_TOKENS,
+    "tools.defer_loading": "exo has no tool search: the model sees every tool from the start",
+    "tools.eager_input_streaming": "a call goes out when it is complete and checked",
+    "tools.input_examples": "not shown to the model",
+    "tools.allowed_callers": "every call is the model's",
+}
 
 
 class MessagesRequestBase(FrozenModel):

@@ -17,7 +17,7 @@ from exo.api.admission import (
 from exo.api.anthropic_routes import anthropic_routes
 from exo.api.auth import AccessMiddleware, APIAccess
 from exo.api.dashboard import dashboard_routes
-from exo.api.errors import APIError, install_error_handlers
+from exo.api.errors import install_error_handlers, invalid
 from exo.api.instances import instance_routes
 from exo.api.metrics import MetricsMiddleware, ServingMetrics
 from exo.api.model_alias import ModelAlias
@@ -111,9 +111,7 @@ def create_app(
     async def events(from_idx: int = 0) -> StreamingResponse:
         """SSE of indexed events from `from_idx`: the history, then live events."""
         if from_idx < 0:
-            raise APIError(
-                400, "from_idx must be >= 0", "invalid_request_error", "invalid_request", "from_idx"
-            )
+            raise invalid("from_idx must be >= 0", "from_idx")
 
         async def stream() -> AsyncIterator[str]:
             async for indexed in cluster.subscribe(from_idx):

@@ -140,8 +140,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(error)
-        body = error_body(message, "invalid_request_error", "invalid_request", param)
-        return _response(request, 400, body)
+        return error_response(request, invalid(message, param))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, error: HTTPException) -> JSONResponse:

@@ -4,9 +4,10 @@ reply as a stream of `ReplyEvent`s out.
 Everything the three APIs share is decided here once: volatile text removed,
 the prompt rendered (tools through the template or exo's fallback), the
 context checked and `max_tokens` clamped to it, the model's sampling defaults
-filled in, the constraint built (structured output, forced tool calls) and
-checked, and the runner's text read through the reasoning split and the
-tool-call parser. 4xx errors are raised before anything runs.
+filled in, the constraint built (structured output, forced tool calls, strict
+tools) and checked, the runner's text read through the reasoning split and the
+tool-call parser, and the reasoning's tokens counted. 4xx errors are raised
+before anything runs.
 """
 
 import time
@@ -35,6 +36,7 @@ from exo.api.reply_stream import (
     TopLogprob,
 )
 from exo.engine.constraint_grammar import ConstraintError, check_constraint
+from exo.engine.reasoning import ReasoningPiece, ThinkingMarkers, detect_thinking_markers
 from exo.engine.reply import ReplyParser
 from exo.engine.tool_calls.formats import ToolCallFormat
 from exo.engine.tool_calls.parser import ToolCallEnd
@@ -44,6 +46,7 @@ from exo.shared.types.chat import (
     JsonObjectFormat,
     JsonSchemaFormat,
     NamedToolChoice,
+    ToolFunction,
 )
 from exo.shared.types.constraints import Constraint, JsonObject, JsonSchema, ToolCalls, ToolSpec
 from exo.shared.types.ids import new_task_id
@@ -98,26 +101,42 @@ def constraint_for(request: ChatRequest, fmt: ToolCallFormat) -> Constraint | No
             return JsonSchema(json_schema=schema, strict=strict)
         case _:
             pass
-    if not (_tools_offered(request) and forced):
+    strict = [i for i, tool in enumerate(request.tools) if tool.strict]
+    if not _tools_offered(request) or not (forced or strict):
         return None
     if fmt.args_marker is not None or fmt.id_key is not None:
+        if forced:
+            raise invalid(
+                f"this model's tool-call syntax ({fmt.family}) cannot be forced; "
+                "use tool_choice 'auto'",
+                "tool_choice",
+            )
         raise invalid(
-            f"this model's tool-call syntax ({fmt.family}) cannot be forced; "
-            "use tool_choice 'auto'",
-            "tool_choice",
+            f"tools[{strict[0]}] asks for strict arguments, which this model's tool-call "
+            f"syntax ({fmt.family}) cannot enforce; send strict false",
+            "tools",
         )
     named = request.tool_choice.name if isinstance(request.tool_choice, NamedToolChoice) else None
     return ToolCalls(
-        tools=tuple(
-            ToolSpec(name=t.name, parameters=t.parameters, strict=t.strict) for t in request.tools
-        ),
+        tools=tuple(_tool_spec(tool, forced) for tool in request.tools),
         prefix=fmt.prefix,
         suffix=fmt.suffix,
         arguments_key=fmt.arguments_key,
         list_form=fmt.list_form,
         named=named,
         parallel=request.parallel_tool_calls and named is None,
+        # tool_choice auto: text, or calls whose strict tools' arguments are checked
+        text_allowed=not forced,
+        markers=fmt.markers,
+        bare_json_start=fmt.bare_json_start,
     )
+
+
+def _tool_spec(tool: ToolFunction, forced: bool) -> ToolSpec:
+    # Under auto, a tool not asked to be strict keeps what the parser accepts
+    # without a grammar: any arguments object.
+    parameters = tool.parameters if forced or tool.strict else {"type": "object"}
+    return ToolSpec(name=tool.name, parameters=parameters, strict=tool.strict)
 
 
 def check_vocabulary(tokens: Iterable[int], vocabulary: int, param: str) -> None:
@@ -182,6 +201,22 @@ def _token_logprobs(tokenizer: ChatTokenizer, sampled: SampledLogprobs) -> Token
     return TokenLogprobs(tokens=tuple(tokens))
 
 
+def reasoning_tokens(
+    tokenizer: ChatTokenizer,
+    thinking: ThinkingMarkers | None,
+    output: str,
+    completion_tokens: int,
+) -> int:
+    """Of a reply's `completion_tokens`, those it spent thinking: its raw
+    `output` up to the end marker (all of it when the thinking was cut off),
+    re-tokenized, since the runner sends text. 0 when it did not think."""
+    if thinking is None:
+        return 0
+    end = output.find(thinking.end)
+    thought = output if end < 0 else output[: end + len(thinking.end)]
+    return min(len(tokenizer.encode(thought, add_special_tokens=False)), completion_tokens)
+
+
 @dataclass(frozen=True)
 class _Run:
     model: ServedModel
@@ -190,6 +225,7 @@ class _Run:
     keepalive_seconds: float
     slot: Slot  # held until the reply ends, however it ends
     observer: GenerationObserver | None
+    thinking: ThinkingMarkers | None  # the model's markers, for a chat reply
 
     async def events(self) -> AsyncIterator[ReplyEvent]:
         ended: ReplyFinishReason | Literal["error", "cancelled"] = "cancelled"
@@ -211,6 +247,8 @@ class _Run:
 
     async def _events(self) -> AsyncGenerator[ReplyEvent]:
         calls: list[ToolCallEnd] = []
+        output: list[str] = []  # the raw text, for the reasoning's token count
+        reasoned = False
         try:
             async with self.model.runner.generate(self.task) as messages:
                 while True:
@@ -226,14 +264,17 @@ class _Run:
                         case TaskText(text=text, logprobs=logprobs):
                             if self.observer is not None:
                                 self.observer.chunk()
+                            output.append(text)
                             for event in self.parser.feed(text):
                                 calls += [event] if isinstance(event, ToolCallEnd) else []
+                                reasoned = reasoned or isinstance(event, ReasoningPiece)
                                 yield event
                             if logprobs is not None:
                                 yield _token_logprobs(self.model.tokenizer, logprobs)
                         case TaskFinished():
                             for event in self.parser.finish():
                                 calls += [event] if isinstance(event, ToolCallEnd) else []
+                                reasoned = reasoned or isinstance(event, ReasoningPiece)
                                 yield event
                             reason: ReplyFinishReason = message.finish_reason
                             if message.stop_sequence is not None:
@@ -245,6 +286,12 @@ class _Run:
                                 stop_sequence=message.stop_sequence,
                                 usage=message.usage,
                                 tool_calls=tuple(end.call for end in calls),
+                                reasoning_tokens=reasoning_tokens(
+                                    self.model.tokenizer,
+                                    self.thinking if reasoned else None,
+                                    "".join(output),
+                                    message.usage.completion_tokens,
+                                ),
                             )
                             return
                         case TaskFailed(error=error, runner_lost=True):
@@ -292,14 +339,13 @@ async def prepare_reply(
         system_prompt_length=prompt.system_prompt_length,
     )
     tail = model.tokenizer.decode(prompt.tokens[-16:]) if request.prompt is None else ""
+    template = chat_template_text(model.tokenizer) if request.prompt is None else None
     parser = ReplyParser.for_prompt(
-        chat_template_text(model.tokenizer) if request.prompt is None else None,
-        tail,
-        fmt if _tools_offered(request) else None,
-        new_call_id,
+        template, tail, fmt if _tools_offered(request) else None, new_call_id
     )
     slot = await admit(model.model_id)
-    run = _Run(model, task, parser, keepalive_seconds, slot, observer)
+    thinking = detect_thinking_markers(template)
+    run = _Run(model, task, parser, keepalive_seconds, slot, observer, thinking)
     return PreparedReply(
         reply_id=uuid.uuid4().hex,
         model=model.model_id,

@@ -19,6 +19,7 @@ from exo.api.openai_types import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    CompletionTokensDetails,
     CompletionUsage,
     Delta,
     FunctionCall,
@@ -37,7 +38,6 @@ from exo.api.reply_stream import (
 )
 from exo.engine.reasoning import ReasoningPiece
 from exo.engine.tool_calls.parser import TextPiece, ToolCallArgumentsPiece, ToolCallStart
-from exo.shared.types.tasks import Usage
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -45,12 +45,16 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def completion_usage(usage: Usage) -> CompletionUsage:
+def completion_usage(finished: ReplyFinished) -> CompletionUsage:
+    usage = finished.usage
     return CompletionUsage(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
+        completion_tokens_details=CompletionTokensDetails(
+            reasoning_tokens=finished.reasoning_tokens
+        ),
     )
 
 
@@ -69,14 +73,14 @@ class ChatCompletionAssembler:
         self.logprobs: list[TokenLogprob] | None = None
         self.finished: ReplyFinished | None = None
 
-    def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+    def _chunk(self, choices: list[ChunkChoice], finished: ReplyFinished | None = None) -> str:
         return sse(
             ChatCompletionChunk(
                 id=f"chatcmpl-{self.reply.reply_id}",
                 created=self.reply.created,
                 model=self.reply.model,
                 choices=choices,
-                usage=completion_usage(usage) if usage else None,
+                usage=completion_usage(finished) if finished else None,
             ).model_dump()
         )
 
@@ -115,7 +119,7 @@ class ChatCompletionAssembler:
                     self._chunk([ChunkChoice(delta=Delta(), finish_reason=_finish_reason(event))])
                 ]
                 if self.include_usage:
-                    last.append(self._chunk([], event.usage))
+                    last.append(self._chunk([], event))
                 return last
             case _:
                 return []  # a call's end or abandonment: its pieces went out already
@@ -142,7 +146,7 @@ class ChatCompletionAssembler:
             choices=[
                 Choice(message=message, finish_reason=_finish_reason(finished), logprobs=logprobs)
             ],
-            usage=completion_usage(finished.usage),
+            usage=completion_usage(finished),
         )
 
 
@@ -186,13 +190,15 @@ class TextCompletionAssembler:
         self.finished: ReplyFinished | None = None
         self._offset = 0
 
-    def _object(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+    def _object(
+        self, choices: list[CompletionChoice], finished: ReplyFinished | None = None
+    ) -> Completion:
         return Completion(
             id=f"cmpl-{self.reply.reply_id}",
             created=self.reply.created,
             model=self.reply.model,
             choices=choices,
-            usage=completion_usage(usage) if usage else None,
+            usage=completion_usage(finished) if finished else None,
         )
 
     def _add_logprobs(self, event: TokenLogprobs) -> CompletionLogprobs:
@@ -232,8 +238,8 @@ class TextCompletionAssembler:
                 self.finished = event
                 reason = "length" if event.finish_reason == "length" else "stop"
                 choice = CompletionChoice(text="", finish_reason=reason)
-                usage = event.usage if self.include_usage else None
-                return [sse(self._object([choice], usage).model_dump())]
+                with_usage = event if self.include_usage else None
+                return [sse(self._object([choice], with_usage).model_dump())]
             case _:
                 return []
 
@@ -245,7 +251,7 @@ class TextCompletionAssembler:
         choice = CompletionChoice(
             text="".join(self.text), finish_reason=reason, logprobs=self.logprobs
         )
-        return self._object([choice], finished.usage)
+        return self._object([choice], finished)
 
 
 async def text_completion(reply: PreparedReply) -> Completion:

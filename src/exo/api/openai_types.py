@@ -4,7 +4,9 @@ completions APIs.
 No field is dropped silently: every field of OpenAI's requests is declared
 here and is either honoured, rejected with a 400 naming it when set, or listed
 as accepted and ignored (`*_FIELDS` below; the README lists them). A field no
-list names is rejected as unknown (`extra="forbid"`).
+list names is rejected as unknown (`extra="forbid"`). The ignored fields of a
+request's parts are in the same list (`IGNORED_CHAT_FIELDS`), marked `# ignored`
+where they are declared.
 """
 
 import time
@@ -58,9 +60,8 @@ def _only_text_parts(content: Any, allowed: tuple[str, ...]) -> Any:
 class TextPart(FrozenModel):
     type: Literal["text"]
     text: str
-    # ignored: exo's prefix cache needs no breakpoints
-    prompt_cache_breakpoint: dict[str, Any] | None = None
-    cache_control: dict[str, Any] | None = None  # Anthropic's name, sent by some clients
+    prompt_cache_breakpoint: dict[str, Any] | None = None  # ignored
+    cache_control: dict[str, Any] | None = None  # ignored
 
 
 class RefusalPart(FrozenModel):
@@ -199,8 +200,8 @@ class JsonObjectResponseFormat(FrozenModel):
 
 
 class JsonSchemaSpec(FrozenModel):
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
+    name: str = Field(min_length=1, max_length=64)  # ignored
+    description: str | None = None  # ignored
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # none: any JSON
     strict: bool | None = None
 
@@ -218,7 +219,7 @@ ResponseFormatParam = Annotated[
 
 class StreamOptions(FrozenModel):
     include_usage: bool | None = None
-    include_obfuscation: bool | None = None  # ignored: exo sends no obfuscation padding
+    include_obfuscation: bool | None = None  # ignored
 
 
 class CommonRequestFields(FrozenModel):
@@ -287,19 +288,31 @@ REJECTED_CHAT_FIELDS: dict[str, str] = {
     "functions": "the deprecated functions is not supported: send tools",
     "function_call": "the deprecated function_call is not supported: send tool_choice",
 }
-IGNORED_CHAT_FIELDS = frozenset(
-    {
-        "user",
-        "metadata",
-        "store",
-        "service_tier",
-        "prompt_cache_key",
-        "prompt_cache_options",
-        "prompt_cache_retention",
-        "safety_identifier",
-        "verbosity",
-    }
-)
+_NO_END_USERS = "an end user's id, for OpenAI's abuse monitoring: exo has none"
+_CACHE_BY_TOKENS = "the prefix cache matches prompts by their tokens, with no keys or breakpoints"
+_SCHEMA_NOT_SHOWN = "the schema is not shown to the model: the grammar enforces it"
+# Accepted and ignored, with why: the README's list. A top-level name is a
+# field of the request; a dotted path, a field of a part of it (lists and
+# unions looked through). A test checks that each path names a declared field.
+IGNORED_CHAT_FIELDS: dict[str, str] = {
+    "user": _NO_END_USERS,
+    "safety_identifier": _NO_END_USERS,
+    "metadata": "tags of stored completions: exo stores none",
+    "store": "exo stores no completions",
+    "service_tier": "exo serves every request alike",
+    "prompt_cache_key": _CACHE_BY_TOKENS,
+    "prompt_cache_options": _CACHE_BY_TOKENS,
+    "prompt_cache_retention": "cache entries live until evicted (LRU, memory pressure)",
+    "verbosity": "a setting of OpenAI's models that chat templates do not have",
+    "stream_options.include_obfuscation": "exo sends no obfuscation padding",
+    "messages.name": "participant names are not shown to the model "
+    "(a tool message's name stands in for its call's when the call is not in the history)",
+    "messages.content.prompt_cache_breakpoint": _CACHE_BY_TOKENS,
+    "messages.content.cache_control": "Anthropic's cache breakpoints, sent by some clients: "
+    + _CACHE_BY_TOKENS,
+    "response_format.json_schema.name": _SCHEMA_NOT_SHOWN,
+    "response_format.json_schema.description": _SCHEMA_NOT_SHOWN,
+}
 
 
 class ChatCompletionRequest(CommonRequestFields):
@@ -442,11 +455,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # of completion_tokens, those the model spent thinking
+
+
 class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
 
 
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
@@ -601,7 +619,7 @@ class CompletionRequest(CommonRequestFields):
 
 
 # Honoured: all but these; `n`/`best_of` only as 1, `echo` only false, `suffix` only empty.
-IGNORED_COMPLETION_FIELDS = frozenset({"user"})
+IGNORED_COMPLETION_FIELDS: dict[str, str] = {"user": _NO_END_USERS}
 
 
 class CompletionLogprobs(BaseModel):

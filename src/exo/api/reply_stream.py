@@ -76,6 +76,8 @@ class ReplyFinished(FrozenModel):
     stop_sequence: str | None = None
     usage: Usage
     tool_calls: tuple[ToolCall, ...] = ()
+    # Of `usage.completion_tokens`, those the model spent thinking (markers included).
+    reasoning_tokens: int = 0
 
 
 ReplyEvent = (

@@ -11,7 +11,8 @@ content), text a `message` item, and each tool call a `function_call` item sent
 when the call is complete and checked (a call the model wrote malformed comes
 as text). A reply cut by `max_output_tokens` (or the context) is `incomplete`.
 Usage: `input_tokens` is the whole prompt, `cached_tokens` the part found in the
-prefix cache, `cache_write_tokens` the part prefilled now.
+prefix cache, `cache_write_tokens` the part prefilled now; `reasoning_tokens`
+the part of `output_tokens` the model spent thinking.
 """
 
 import copy
@@ -170,7 +171,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatRequest:
 # ---- reply events -> response / stream events ----
 
 
-def _usage(usage: Usage) -> dict[str, Any]:
+def _usage(usage: Usage, reasoning_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {
@@ -178,8 +179,7 @@ def _usage(usage: Usage) -> dict[str, Any]:
             "cache_write_tokens": usage.prompt_tokens - usage.cached_tokens,
         },
         "output_tokens": usage.completion_tokens,
-        # not counted apart: the reasoning's tokens are among output_tokens
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
 
@@ -365,7 +365,7 @@ class ResponseAssembler:
             case ReplyFinished(finish_reason=reason, usage=usage):
                 events += self._close()
                 self._status = "incomplete" if reason == "length" else "completed"
-                self._usage = _usage(usage)
+                self._usage = _usage(usage, event.reasoning_tokens)
                 events.append(self._event(self._status, response=self.response()))
             case _:
                 # Call starts and argument pieces: the call goes out whole at its

@@ -8,8 +8,9 @@ conversation in `input` (the `store: false` behaviour). `store` is accepted
 No field is dropped silently: every field of the official client's request is
 declared here and is honoured, rejected with a 400 naming it when set, or
 accepted and ignored (`*_RESPONSES_FIELDS` below; the README lists them). A
-field no list names is rejected as unknown (`extra="forbid"`). Within items and
-tools, the ignored fields are marked where they are declared.
+field no list names is rejected as unknown (`extra="forbid"`). The ignored
+fields of items, tools and settings are in the same list
+(`IGNORED_RESPONSES_FIELDS`), marked `# ignored` where they are declared.
 """
 
 from typing import Annotated, Any, Literal
@@ -123,7 +124,7 @@ class ReasoningItem(FrozenModel):
     id: str | None = None  # ignored
     summary: list[SummaryText] = Field(default_factory=list[SummaryText])  # ignored
     content: list[ReasoningText] | None = None
-    encrypted_content: str | None = None  # ignored: another server's
+    encrypted_content: str | None = None  # ignored
     status: str | None = None  # ignored
 
 
@@ -155,8 +156,7 @@ class FunctionToolParam(FrozenModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON schema; none: no parameters
     strict: bool | None = None
-    # ignored: exo has no tool search, so the model sees every tool from the start
-    defer_loading: bool | None = None
+    defer_loading: bool | None = None  # ignored
     allowed_callers: list[str] | None = None  # ignored
     output_schema: dict[str, Any] | None = None  # ignored
 
@@ -179,9 +179,9 @@ class JsonObjectFormatParam(FrozenModel):
 
 class JsonSchemaFormatParam(FrozenModel):
     type: Literal["json_schema"]
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(min_length=1, max_length=64)  # ignored
     schema_: dict[str, Any] = Field(alias="schema")
-    description: str | None = None
+    description: str | None = None  # ignored
     strict: bool | None = None
 
 
@@ -197,7 +197,7 @@ class TextConfig(FrozenModel):
 
 class ReasoningConfig(FrozenModel):
     effort: ReasoningEffort | None = None  # the template's reasoning_effort
-    summary: str | None = None  # ignored: exo returns the reasoning itself, not a summary
+    summary: str | None = None  # ignored
     generate_summary: str | None = None  # ignored
 
 
@@ -212,23 +212,48 @@ REJECTED_RESPONSES_FIELDS: dict[str, str] = {
     "moderation": "moderation is not supported",
     "top_logprobs": "logprobs are not supported in the Responses API: use chat completions",
 }
-IGNORED_RESPONSES_FIELDS = frozenset(
-    {
-        "store",  # nothing is stored either way
-        "include",
-        "metadata",
-        "user",
-        "safety_identifier",
-        "service_tier",
-        "prompt_cache_key",
-        "prompt_cache_options",
-        "prompt_cache_retention",
-        "stream_options",
-        "context_management",
-        "access_programs",
-        "image",
-    }
-)
+_NO_END_USERS = "an end user's id, for OpenAI's abuse monitoring: exo has none"
+_CACHE_BY_TOKENS = "the prefix cache matches prompts by their tokens, with no keys or breakpoints"
+_SCHEMA_NOT_SHOWN = "the schema is not shown to the model: the grammar enforces it"
+_NOT_STORED = "items are not stored or looked up: the request carries them whole"
+_NOT_SHOWN = "not shown to the model"
+# Accepted and ignored, with why: the README's list. A top-level name is a
+# field of the request; a dotted path, a field of a part of it (lists and
+# unions looked through). A test checks that each path names a declared field.
+IGNORED_RESPONSES_FIELDS: dict[str, str] = {
+    "store": "nothing is stored either way",
+    "include": "exo returns what it has (the reasoning's text included) whatever is asked",
+    "metadata": "tags of stored responses: exo stores none",
+    "user": _NO_END_USERS,
+    "safety_identifier": _NO_END_USERS,
+    "service_tier": "exo serves every request alike",
+    "prompt_cache_key": _CACHE_BY_TOKENS,
+    "prompt_cache_options": _CACHE_BY_TOKENS,
+    "prompt_cache_retention": "cache entries live until evicted (LRU, memory pressure)",
+    "stream_options": "its one option asks for obfuscation padding, which exo does not send",
+    "context_management": "exo never compacts a conversation: the client sends what the model sees",
+    "access_programs": "OpenAI's domain-specific programs: none here",
+    "image": "image options: exo generates text only",
+    "text.verbosity": "a setting of OpenAI's models that chat templates do not have",
+    "text.format.name": _SCHEMA_NOT_SHOWN,
+    "text.format.description": _SCHEMA_NOT_SHOWN,
+    "reasoning.summary": "exo returns the reasoning itself, not a summary",
+    "reasoning.generate_summary": "exo returns the reasoning itself, not a summary",
+    "input.id": _NOT_STORED,
+    "input.status": _NOT_STORED,
+    "input.phase": _NOT_SHOWN,
+    "input.namespace": _NOT_SHOWN,
+    "input.caller": "every call is the model's",
+    "input.summary": "the reasoning's own text (content) is shown to the model instead",
+    "input.encrypted_content": "another server's reasoning, which exo cannot read",
+    "input.content.annotations": _NOT_SHOWN,
+    "input.content.logprobs": _NOT_SHOWN,
+    "input.content.prompt_cache_breakpoint": _CACHE_BY_TOKENS,
+    "input.output.prompt_cache_breakpoint": _CACHE_BY_TOKENS,
+    "tools.defer_loading": "exo has no tool search: the model sees every tool from the start",
+    "tools.allowed_callers": "every call is the model's",
+    "tools.output_schema": "a tool's output is shown to the model as the client sends it",
+}
 
 
 class ResponsesRequest(FrozenModel):

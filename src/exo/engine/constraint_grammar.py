@@ -8,11 +8,20 @@ the runner builds the same grammar with its tokenizer's special tokens.
 Shapes, for a JSON schema S and tool calls in a family's markers:
 
     json_schema / json_object   start: %json S
-    tool_calls                  start: block | start: block (SEP block)*   (parallel)
-                                block: <prefix> call <suffix>
+    tool_calls                  start: <prefix> call <suffix> (SEP block)*
+                                block: <prefix> call <suffix>   (SEP block: parallel only)
                                 list_form: <prefix> "[" call (", " call)* "]" <suffix>
                                 call: call_0 | call_1 | ...
                                 call_i: "{\"name\": \"<tool i>\", \"arguments\": " %json P_i "}"
+    tool_calls, text allowed    start: TEXT? | LEAD <prefix after the marker> call <suffix> ...
+                                TEXT: any text holding no marker (and, for bare-JSON
+                                      families, not opening with `{`)
+                                LEAD: such text, then one marker, ending there
+
+A marker that is a special token ends TEXT by itself (no text lexeme can hold
+one), so there the call branch is `TEXT? <[id]> ...`. A marker spelled as text
+is the end of the LEAD lexeme instead: llguidance's lexer does not backtrack,
+so a separate text lexeme would swallow the marker's first characters.
 
 Each tool's argument schema is the top level of its own `%json`, so its
 `$ref`s resolve against itself, as its author wrote them. The call envelope is
@@ -30,9 +39,10 @@ from loguru import logger
 
 from exo.shared.types.constraints import Constraint, JsonObject, JsonSchema, ToolCalls, ToolSpec
 
+_WHITESPACE_CLASS = r"[\x20\x0A\x0D\x09]"
 # JSON whitespace: any of the usual forms (compact, `json.dumps`, indented),
 # but at most 16 characters at each place, so a model cannot loop on newlines.
-_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,16}"
+_JSON_WHITESPACE = _WHITESPACE_CLASS + "{1,16}"
 # Between parallel calls (`</tool_call>\n<tool_call>`).
 _CALL_SEPARATOR = r"/[\x20\x0A]{1,2}/"
 # llguidance reports "at LINE(COLUMN): message", then the grammar's lines around it.
@@ -107,17 +117,61 @@ def _tool_calls_grammar(constraint: ToolCalls, special_tokens: Mapping[str, int]
     tools = [t for t in constraint.tools if constraint.named in (None, t.name)]
     prefix = _markers(constraint.prefix, special_tokens)
     suffix = _markers(constraint.suffix, special_tokens)
+    rules: list[str] = []
     if constraint.list_form:
         calls = '"[" call (", " call)* "]"' if constraint.parallel else '"[" call "]"'
-        rules = [f"start: {_sequence(prefix, calls, suffix)}"]
+        first, more = _sequence(calls, suffix), ""
     else:
-        start = f"block ({_CALL_SEPARATOR} block)*" if constraint.parallel else "block"
-        rules = [f"start: {start}", f"block: {_sequence(prefix, 'call', suffix)}"]
+        first = _sequence("call", suffix)
+        more = ""
+        if constraint.parallel:
+            more = f" ({_CALL_SEPARATOR} block)*"
+            rules.append(f"block: {_sequence(prefix, 'call', suffix)}")
+    if constraint.text_allowed:
+        rules = [*_text_or_calls(constraint, special_tokens, first, more), *rules]
+    else:
+        rules.insert(0, f"start: {_sequence(prefix, first)}{more}")
     rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
     rules.extend(
         f"call_{i}: {_call(tool, constraint.arguments_key)}" for i, tool in enumerate(tools)
     )
     return "\n".join(rules) + "\n"
+
+
+def _text_or_calls(
+    constraint: ToolCalls, special_tokens: Mapping[str, int], first: str, more: str
+) -> list[str]:
+    """The `start` rule and lexemes of a reply that is text, or text then calls
+    (`first` is the first call after its prefix, `more` the calls after it)."""
+    markers = [m for m in constraint.markers if m]
+    branches = ["TEXT?"]
+    lexemes = [_text_lexeme("TEXT: /(?s:.+)/", markers, constraint), "ANY_TEXT: /(?s:.*)/"]
+    if constraint.bare_json_start:
+        branches.append(f"/{_WHITESPACE_CLASS}+/? {first}{more}")
+    for n, marker in enumerate(markers):
+        if constraint.prefix and not constraint.prefix.startswith(marker):
+            continue  # a call after this marker would lack the prefix
+        after = _markers(constraint.prefix[len(marker) :], special_tokens)
+        if marker in special_tokens:
+            opening = f"TEXT? <[{special_tokens[marker]}]>"
+        else:
+            # The text up to the marker's first occurrence, the marker included.
+            spelled = _literal(marker)
+            opening = f"LEAD_{n}"
+            lead = f"LEAD_{n}: (ANY_TEXT {spelled}) & ~(ANY_TEXT {spelled} /(?s:.+)/)"
+            others = [m for m in markers if m != marker]
+            lexemes.append(_text_lexeme(lead, others, constraint))
+        branches.append(f"{_sequence(opening, after, first)}{more}")
+    return ["start: " + " | ".join(branches), *lexemes]
+
+
+def _text_lexeme(rule: str, markers: list[str], constraint: ToolCalls) -> str:
+    """`rule`, less the texts the parser would read a call in: any of `markers`,
+    and for bare-JSON families a `{` opening the reply."""
+    excluded = [f"~(ANY_TEXT {_literal(m)} ANY_TEXT)" for m in markers]
+    if constraint.bare_json_start:
+        excluded.append(f'~(/{_WHITESPACE_CLASS}*/ "{{" ANY_TEXT)')
+    return " & ".join([rule, *excluded])
 
 
 def _call(tool: ToolSpec, arguments_key: str) -> str:

@@ -1,7 +1,7 @@
 """What a reply must look like, when a request fixes its shape: the structured
-outputs (`response_format`) and forced tool calls (`tool_choice` required or
-named) that the runner enforces token by token (`exo.engine.constraint_grammar`
-says which texts each one admits)."""
+outputs (`response_format`), forced tool calls (`tool_choice` required or
+named) and strict tools under `tool_choice` auto, which the runner enforces
+token by token (`exo.engine.constraint_grammar` says which texts each one admits)."""
 
 from typing import Annotated, Any, Literal, Self
 
@@ -44,7 +44,14 @@ class ToolCalls(FrozenModel):
     With `parallel`, several calls (each wrapped in prefix and suffix, separated
     by whitespace, or several list items); otherwise exactly one. `named`
     restricts the calls to that tool. The markers are data: each family's
-    parser owns them (e.g. Hermes: `<tool_call>\\n` and `\\n</tool_call>`)."""
+    parser owns them (e.g. Hermes: `<tool_call>\\n` and `\\n</tool_call>`).
+
+    With `text_allowed` (strict tools under `tool_choice` auto) the reply may
+    be text instead, or text and then the calls. The text never holds one of
+    `markers` (the parser reads a call wherever one appears) nor, with
+    `bare_json_start`, begins with `{` (the parser reads that as a call), so
+    every call the parser sees went through the grammar. A prefix then starts
+    with one of `markers`; an empty one lets calls follow any marker."""
 
     kind: Literal["tool_calls"] = "tool_calls"
     tools: tuple[ToolSpec, ...] = Field(min_length=1)
@@ -54,6 +61,9 @@ class ToolCalls(FrozenModel):
     list_form: bool = False
     named: str | None = None
     parallel: bool = False
+    text_allowed: bool = False
+    markers: tuple[str, ...] = ()
+    bare_json_start: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -63,6 +73,9 @@ class ToolCalls(FrozenModel):
             raise ValueError(f"tool names must be unique, repeated: {', '.join(duplicates)}")
         if self.named is not None and self.named not in names:
             raise ValueError(f"named tool {self.named!r} is not among the tools")
+        opens = not self.prefix or any(self.prefix.startswith(m) for m in self.markers if m)
+        if self.text_allowed and not opens:
+            raise ValueError("with text allowed, a prefix starts with one of the markers")
         return self
 
 
