@@ -2,13 +2,14 @@
 separate machines: one namespace per node, a veth from each to one bridge,
 private IPv4 addresses, multicast (real mDNS) between them.
 
-Needs root and `ip` (CI runs as root); `NetnsLan.create` raises `NetnsUnavailable`
+Needs Linux, root and `ip` (CI runs as root); `NetnsLan.create` raises `NetnsUnavailable`
 with the reason where it cannot be built, and everything it made is removed on
 `close()`, whatever state it reached."""
 
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +46,8 @@ class NetnsLan:
 
     @classmethod
     def create(cls, count: int, tag: str | None = None) -> "NetnsLan":
+        if not sys.platform.startswith("linux"):
+            raise NetnsUnavailable(f"network namespaces are Linux's (this is {sys.platform})")
         if os.geteuid() != 0:
             raise NetnsUnavailable("network namespaces need root")
         if shutil.which("ip") is None:

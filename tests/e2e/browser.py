@@ -1,22 +1,33 @@
-"""Headless Chromium for the dashboard tests: Debian's `chromium` package, driven
-by Playwright (whose own browser download is not used)."""
+"""Headless Chromium for the dashboard tests: Debian's `chromium` package (on a
+Mac, the Chromium app), driven by Playwright (whose own browser download is not used)."""
 
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Error, Page, sync_playwright
 
+# Where `brew install --cask chromium` puts it (not on PATH).
+MAC_CHROMIUM = "/Applications/Chromium.app/Contents/MacOS/Chromium"
+
 
 def chromium_path() -> str:
     """The system Chromium; the tests skip without it, except in CI, where it must be."""
     path = shutil.which("chromium")
+    if path is None and sys.platform == "darwin" and os.path.exists(MAC_CHROMIUM):
+        path = MAC_CHROMIUM
     if path is None:
         if os.environ.get("CI", "").lower() not in ("", "0", "false"):
             pytest.fail("chromium is missing: .ci/run installs Debian's chromium package")
-        pytest.skip("the browser tests need Chromium: apt-get install chromium")
+        install = (
+            "brew install --cask chromium"
+            if sys.platform == "darwin"
+            else "apt-get install chromium"
+        )
+        pytest.skip(f"the browser tests need Chromium: {install}")
     return path
 
 

@@ -26,6 +26,13 @@ from tests.integration.cluster_process import (
 
 pytestmark = pytest.mark.slow
 
+# A new master after the old one's death: the bound asserted and the wait (longer, so
+# that a slow machine fails on the assertion, with the time it took). Seen: 0.4-0.8 s,
+# the link noticing the death at once; below the peer timeout (5 s), which a frozen
+# master would be waited for.
+ELECTED_WITHIN_S = 4.0
+ELECTION_WAIT_S = 30.0
+
 
 def test_three_nodes_agree_and_survive_the_masters_death(cluster: Cluster) -> None:
     for i in range(3):
@@ -45,8 +52,10 @@ def test_three_nodes_agree_and_survive_the_masters_death(cluster: Cluster) -> No
         views = {n.get("/cluster")["master_id"] for n in survivors}
         return views.pop() if len(views) == 1 and master not in views else None
 
-    elected = wait_until(new_master, 10, "a new master")
-    assert time.monotonic() - killed_at < 10
+    elected = wait_until(new_master, ELECTION_WAIT_S, "a new master")
+    elected_after = time.monotonic() - killed_at
+    print(f"a new master {elected_after:.1f}s after the old one's death")
+    assert elected_after < ELECTED_WITHIN_S, f"a new master after {elected_after:.1f}s"
     assert elected in by_id
     # The survivors keep the same history, continued with no gap and no fork.
     wait_until(lambda: all(n.get("/state")["master_id"] == elected for n in survivors), 10, "state")

@@ -16,6 +16,12 @@ from tests.integration.cluster_process import Cluster, agreed, wait_until
 pytestmark = pytest.mark.slow
 
 HISTORY = 100_000
+# The bound asserted on the newcomer's catch-up, and how long it is waited for: longer,
+# so that a slow machine fails on the assertion, with the time it took. Seen: 9-18 s on
+# a busy 2-core machine, mostly the newcomer's start and the first election's wait for
+# its peers; following the 100k events one by one would take ~100 s.
+CAUGHT_UP_WITHIN_S = 30.0
+CATCH_UP_WAIT_S = 60.0
 
 
 def write_history(data_dir: Path, node_id: NodeId, n: int) -> None:
@@ -49,14 +55,15 @@ def test_a_node_joining_a_cluster_with_100k_events_catches_up_in_seconds(
     loaded = time.monotonic() - started
     joined_at = time.monotonic()
     newcomer = cluster.start(1)
-    wait_until(lambda: agreed(cluster.nodes), 30, "the newcomer caught up")
+    wait_until(lambda: agreed(cluster.nodes), CATCH_UP_WAIT_S, "the newcomer caught up")
     caught_up = time.monotonic() - joined_at
     state = newcomer.get("/state")
     assert state["last_idx"] >= HISTORY
     assert set(state["nodes"]) == {"node-veteran", newcomer.get("/node_id")}
     # Seconds, including the first election's wait for the other peers (a peer
     # timeout); following 100k events one by one takes minutes (~1,000 events/s).
-    assert caught_up < 30, f"caught up in {caught_up:.1f}s"
+    print(f"the veteran started in {loaded:.1f}s; the newcomer caught up in {caught_up:.1f}s")
+    assert caught_up < CAUGHT_UP_WITHIN_S, f"caught up in {caught_up:.1f}s"
     assert loaded < 40, f"the veteran started in {loaded:.1f}s"
     # The newcomer took a snapshot, not 100k events: its log holds only what followed.
     newcomer_log = EventLog.open(cluster.tmp_path / "node1" / "events.log")

@@ -1,7 +1,8 @@
-"""A small tmpfs the test mounts, to fill a disk for real (CI runs as root;
+"""A small tmpfs the test mounts, to fill a disk for real (Linux, as root: CI;
 elsewhere the test is skipped with the reason)."""
 
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 @contextmanager
 def small_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
     """A tmpfs of `size` (e.g. "2m") at `mount_point`, unmounted afterwards."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip(f"a tmpfs is mounted on Linux only (this is {sys.platform})")
     mount_point.mkdir(parents=True, exist_ok=True)
     mounted = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],

@@ -24,6 +24,7 @@ from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.shared.types.constraints import JsonSchema
 from exo.shared.types.tasks import GenerationParams
 from tests.constraint_examples import PERSON
+from tests.platforms import needs_cpu_backend, needs_numba
 
 GREEDY = GenerationParams(max_tokens=40, temperature=0)
 QUESTIONS = [
@@ -251,6 +252,8 @@ def test_cached_and_fresh_prompts_read_together_reply_as_each_alone(
     assert reply(together["r1"])[1].usage.cached_tokens < len(prompts[1]) - 1
 
 
+@needs_cpu_backend
+@needs_numba
 @pytest.mark.parametrize("rows", [1, 2, KERNEL_ROWS])
 def test_a_small_batch_on_the_cpu_hands_out_each_token_in_the_step_that_drew_it(
     smollm: tuple[nn.Module, TokenizerWrapper], rows: int

@@ -4,7 +4,7 @@ MLX's matmul as it was."""
 
 import sys
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,14 +22,18 @@ from exo.engine.mlx.cpu_few_rows import (
     load_kernel,
     use_kernel_for_few_rows,
 )
-from exo.engine.mlx.few_rows_kernel import few_rows_product
 from exo.engine.mlx.load import load_for_inference
+from tests.platforms import HAS_NUMBA, needs_numba
+
+if TYPE_CHECKING or HAS_NUMBA:  # numba: Linux only; the tests that use the kernel skip without it
+    from exo.engine.mlx.few_rows_kernel import few_rows_product
 
 
 def _weights(out_features: int, in_features: int, seed: int) -> mx.array:
     return mx.random.normal((out_features, in_features), key=mx.random.key(seed))
 
 
+@needs_numba
 def test_the_kernel_is_the_matrix_product_and_a_row_s_result_does_not_depend_on_the_others() -> (
     None
 ):
@@ -45,6 +49,7 @@ def test_the_kernel_is_the_matrix_product_and_a_row_s_result_does_not_depend_on_
         np.testing.assert_array_equal(few_rows_product(weight, rows[j : j + 1])[0], got[j])
 
 
+@needs_numba
 @pytest.mark.parametrize("shape", [(96,), (1, 96), (1, 1, 96), (2, 96), (1, 3, 96), (4, 1, 96)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_few_rows_go_through_the_kernel(shape: tuple[int, ...], bias: bool) -> None:
@@ -61,6 +66,7 @@ def test_a_few_rows_go_through_the_kernel(shape: tuple[int, ...], bias: bool) ->
     np.testing.assert_array_equal(np.asarray(got).reshape(-1, 40), expected)
 
 
+@needs_numba
 @pytest.mark.parametrize("shape", [(KERNEL_ROWS + 1, 96), (2, 3, 96), (1, 9, 96)])
 def test_more_rows_keep_mlx_matmul(shape: tuple[int, ...]) -> None:
     linear = nn.Linear(96, 40)
@@ -69,6 +75,7 @@ def test_more_rows_keep_mlx_matmul(shape: tuple[int, ...]) -> None:
     assert mx.array_equal(FewRowsLinear(linear, few_rows_product)(x), linear(x)).item()
 
 
+@needs_numba
 def test_other_dtypes_keep_mlx_matmul() -> None:
     linear = nn.Linear(64, 32)
     linear.set_dtype(mx.float16)
@@ -78,6 +85,7 @@ def test_other_dtypes_keep_mlx_matmul() -> None:
     assert mx.array_equal(got, linear(x)).item()
 
 
+@needs_numba
 def test_the_tied_head_goes_through_the_kernel_and_the_lookup_is_unchanged() -> None:
     embedding = nn.Embedding(300, 48)
     embedding.weight = _weights(300, 48, seed=6)
@@ -94,6 +102,7 @@ def test_the_tied_head_goes_through_the_kernel_and_the_lookup_is_unchanged() -> 
     assert mx.array_equal(swapped(ids), embedding(ids)).item()
 
 
+@needs_numba
 def test_a_replaced_weight_is_used_from_then_on() -> None:
     linear = FewRowsLinear(nn.Linear(16, 8, bias=False), few_rows_product)
     x = mx.ones((1, 16))
@@ -102,6 +111,7 @@ def test_a_replaced_weight_is_used_from_then_on() -> None:
     assert mx.allclose(linear(x), before * 2, rtol=1e-6).item()
 
 
+@needs_numba
 def test_a_model_s_plain_layers_are_swapped_keeping_their_weights() -> None:
     model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 16, bias=True), nn.ReLU())
     weights = [model.layers[0].weight, model.layers[1].weight, model.layers[1].bias]
@@ -121,6 +131,7 @@ def test_without_numba_nothing_is_swapped(monkeypatch: pytest.MonkeyPatch) -> No
     assert type(model.layers[0]) is nn.Linear and eager_rows(model) == 0
 
 
+@needs_numba
 @pytest.mark.skipif(backend_name() != "cpu", reason="the swap is the CPU backend's")
 @pytest.mark.parametrize("rows", [1, KERNEL_ROWS])
 def test_a_loaded_model_decodes_as_mlx_matmul_does(tiny_model_dir: Path, rows: int) -> None:
@@ -143,6 +154,7 @@ def test_a_loaded_model_decodes_as_mlx_matmul_does(tiny_model_dir: Path, rows: i
         inputs = mx.argmax(logits[1], axis=-1, keepdims=True)
 
 
+@needs_numba
 def test_the_kernel_refuses_rows_that_do_not_match_the_weight() -> None:
     """It checks no bounds itself: a mismatch would read past the rows."""
     with pytest.raises(ValueError, match="do not match"):
