@@ -1,0 +1,197 @@
+"""The runner's one serving loop: tasks from the inbox into a batch, its outputs
+out as `FromRunner` messages.
+
+The batch is `engine/mlx/batch.py`'s `ContinuousBatcher` (a whole model whose
+requests decode together) or `OneAtATime` (pipeline rank 0, or a whole model
+whose caches cannot batch): a lone request is a batch of one. Between steps the
+loop reads its inbox (new tasks, cancellations, a stop); while idle it waits on
+it and runs the role's `keep_alive` (heartbeats, disk writes).
+
+How a task ends: its `Finished`, or a `TaskFailed` — "cancelled", "invalid
+constraint: …" (the request's fault, no traceback), or the exception's name and
+message (the runner goes on). A lost pipeline (`PipelineFailure`) fails every
+task, waiting ones too, as `runner_lost`, and ends the loop by raising. A stop
+ends it by `StopRequested`, which each role handles where it stops cleanly.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import IO, NoReturn, Protocol
+
+from loguru import logger
+
+from exo.engine.constraint_grammar import ConstraintError
+from exo.engine.mlx.batch import BatchOutput, GenerationFailed, PromptProgress
+from exo.engine.mlx.generate import Finished, GenerationCancelled, TextDelta
+from exo.engine.mlx.prefix_cache import KVPrefixCache
+from exo.engine.mlx.ring import PipelineFailure
+from exo.shared.types.ids import TaskId
+from exo.shared.types.tasks import GenerationParams, SampledLogprobs
+from exo.worker.runner.inbox import Inbox
+from exo.worker.runner.protocol import (
+    CacheStatsReport,
+    FromRunner,
+    Generate,
+    PrefillProgress,
+    StatusChanged,
+    TaskFailed,
+    TaskFinished,
+    TaskText,
+)
+
+# How long an idle runner waits on its inbox before its `keep_alive` runs again.
+IDLE_POLL_SECONDS = 1.0
+
+
+class Batch(Protocol):
+    """What the loop serves tasks with (`ContinuousBatcher`, `OneAtATime`)."""
+
+    @property
+    def max_batch(self) -> int: ...
+
+    @property
+    def idle(self) -> bool: ...
+
+    @property
+    def prefix_cache(self) -> KVPrefixCache | None: ...
+
+    def add(
+        self,
+        task_id: str,
+        tokens: Sequence[int],
+        params: GenerationParams,
+        system_prompt_length: int = 0,
+    ) -> PromptProgress | None:
+        """Take a request; its progress so far, or None when it reports it as it
+        reads its prompt. Raises (and takes nothing) for an invalid request."""
+        ...
+
+    def cancel(self, task_id: str) -> bool: ...
+
+    def step(self) -> list[tuple[str, BatchOutput]]: ...
+
+
+class Runner:
+    """A runner's messages out (to `out`) and its tasks in (from `inbox`)."""
+
+    def __init__(self, out: IO[str], inbox: Inbox) -> None:
+        self._out = out
+        self.inbox = inbox
+
+    def send(self, message: FromRunner, flush: bool = True) -> None:
+        """Write `message`; `flush=False` leaves it buffered for a later send or
+        `flush` (a batch step's messages go out in one write)."""
+        self._out.write(message.model_dump_json() + "\n")
+        if flush:
+            self._out.flush()
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def ready(self, cache: KVPrefixCache | None) -> None:
+        self.send(StatusChanged(status="ready"))
+        self.report_cache(cache)
+
+    def report_cache(self, cache: KVPrefixCache | None) -> None:
+        if cache is not None:
+            self.send(CacheStatsReport(stats=cache.stats()))
+
+    def report_progress(self, task_id: str, done: int, total: int) -> None:
+        """`OneAtATime`'s `on_progress`: progress goes out as the prompt is read."""
+        self.send(PrefillProgress(task_id=TaskId(task_id), done=done, total=total))
+
+    def is_cancelled(self, task_id: str) -> bool:
+        """`OneAtATime`'s `is_cancelled`: during a long prefill, the moment the
+        inbox is read (a stop raises `StopRequested` through the generation)."""
+        self.inbox.drain()
+        return self.inbox.is_cancelled(task_id)
+
+    def refuse_tasks(self) -> None:
+        """Read the inbox where tasks are not served (pipeline ranks > 0): a task
+        sent by mistake fails at once."""
+        self.inbox.drain()
+        for task in self.inbox.drop_pending():
+            error = "only rank 0 of a pipeline takes tasks"
+            self.send(TaskFailed(task_id=task.task_id, error=error))
+
+    def serve(self, batch: Batch, keep_alive: Callable[[], None]) -> NoReturn:
+        """Serve tasks until the node asks to stop (`StopRequested`); `keep_alive`
+        runs while idle. See the module docstring."""
+        tasks = self.inbox.taken
+        try:
+            while True:
+                if batch.idle and not self.inbox.has_pending:
+                    keep_alive()
+                    self.inbox.wait(IDLE_POLL_SECONDS)
+                    continue
+                self.inbox.drain()
+                for task in [t for t in tasks.values() if self.inbox.is_cancelled(t.task_id)]:
+                    batch.cancel(task.task_id)
+                    self._end(batch, task, "cancelled")
+                while len(tasks) < batch.max_batch and (task := self.inbox.take()) is not None:
+                    self._start(batch, task)
+                for task_id, output in batch.step():
+                    self._send_step_output(batch, tasks[task_id], output)
+                self.flush()
+        except PipelineFailure as error:  # the group is gone: so is every task
+            for task in [*tasks.values(), *self.inbox.drop_pending()]:
+                self.send(TaskFailed(task_id=task.task_id, error=str(error), runner_lost=True))
+            raise
+
+    def _start(self, batch: Batch, task: Generate) -> None:
+        if len(self.inbox.taken) == 1:  # the first since the runner was idle
+            self.send(StatusChanged(status="running"))
+        try:
+            progress = batch.add(task.task_id, task.tokens, task.params, task.system_prompt_length)
+        except Exception as error:  # a bad request must not stop the runner
+            self._end(batch, task, _failure_message(task, error))
+            return
+        if progress is not None:
+            self.report_progress(task.task_id, progress.done, progress.total)
+
+    def _send_step_output(self, batch: Batch, task: Generate, output: BatchOutput) -> None:
+        """One output of a batch step, left buffered (the step's are flushed at once)."""
+        match output:
+            case PromptProgress(done=done, total=total):
+                progress = PrefillProgress(task_id=task.task_id, done=done, total=total)
+                self.send(progress, flush=False)
+            case GenerationFailed(error=error):
+                self._end(batch, task, _failure_message(task, error))
+            case Finished():
+                self.send(_finished_message(task, output), flush=False)
+                self._end(batch, task)
+            case TextDelta():
+                self.send(_text_message(task, output), flush=False)
+
+    def _end(self, batch: Batch, task: Generate, error: str | None = None) -> None:
+        """A task is over: failed with `error`, or finished (its messages are out)."""
+        self.inbox.end(task.task_id)
+        if error is not None:
+            self.send(TaskFailed(task_id=task.task_id, error=error))
+        if not self.inbox.taken:
+            self.send(StatusChanged(status="ready"))
+        self.report_cache(batch.prefix_cache)
+
+
+def _failure_message(task: Generate, error: BaseException) -> str:
+    match error:
+        case GenerationCancelled():
+            return "cancelled"
+        case ConstraintError():  # the request's fault: no traceback
+            return f"invalid constraint: {error}"
+        case _:
+            logger.opt(exception=error).error(f"task {task.task_id} failed")
+            return f"{type(error).__name__}: {error}"
+
+
+def _text_message(task: Generate, output: TextDelta) -> TaskText:
+    logprobs = SampledLogprobs(tokens=output.logprobs) if task.params.logprobs else None
+    return TaskText(task_id=task.task_id, text=output.text, logprobs=logprobs)
+
+
+def _finished_message(task: Generate, output: Finished) -> TaskFinished:
+    return TaskFinished(
+        task_id=task.task_id,
+        finish_reason=output.finish_reason,
+        usage=output.usage,
+        stop_sequence=output.stop_sequence,
+    )

@@ -1,0 +1,59 @@
+"""A runner that holds the whole model alone: it serves the tasks it holds
+together (`engine/mlx/batch.py`), or one at a time where the model's caches have
+no batched form. Its prefix cache writes an entry to disk whenever requests
+pause, and the rest on a clean stop."""
+
+from pathlib import Path
+
+from loguru import logger
+
+from exo.engine.mlx.batch import ContinuousBatcher, can_batch
+from exo.engine.mlx.generate import LocalModel, TextGenerator
+from exo.engine.mlx.load import load_for_inference
+from exo.engine.mlx.one_at_a_time import OneAtATime
+from exo.engine.mlx.prefix_cache import KVPrefixCache
+from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
+from exo.worker.runner.cache_policy import may_persist, memory_pressure
+from exo.worker.runner.inbox import StopRequested
+from exo.worker.runner.serving import Batch, Runner
+
+
+def serve_whole_model(
+    runner: Runner,
+    model_dir: Path,
+    prefix_cache_bytes: int,
+    disk: tuple[Path, int] | None,
+) -> None:
+    """Load the model, then serve tasks until the node asks to stop."""
+    model, tokenizer = load_for_inference(model_dir)
+    cache = (
+        KVPrefixCache(
+            prefix_cache_bytes,
+            memory_pressure=memory_pressure,
+            disk=DiskTier(disk[0], cache_namespace(model_dir, None), disk[1]) if disk else None,
+            decode=tokenizer.decode,
+        )
+        if prefix_cache_bytes > 0
+        else None
+    )
+    local = LocalModel(model, tokenizer)
+    batch = _batch(runner, TextGenerator(local, tokenizer, cache), local)
+    runner.ready(cache)
+    try:
+        runner.serve(batch, keep_alive=lambda: _persist_while_idle(runner, cache))
+    except StopRequested:  # a clean stop: write what is not on disk yet
+        if cache is not None:
+            cache.persist()
+
+
+def _batch(runner: Runner, generator: TextGenerator, local: LocalModel) -> Batch:
+    if can_batch(local.make_cache()):
+        return ContinuousBatcher(generator)
+    logger.info("this model's caches do not batch: requests are served one at a time")
+    return OneAtATime(generator, runner.report_progress, runner.is_cancelled)
+
+
+def _persist_while_idle(runner: Runner, cache: KVPrefixCache | None) -> None:
+    """Once requests pause, write the newest entry not on disk yet, then report it."""
+    if cache is not None and may_persist(cache) and cache.persist(max_entries=1):
+        runner.report_cache(cache)
