@@ -24,15 +24,22 @@ masked). A request joins the batch once its first token is drawn (its own cache
 merged in) and leaves it when its reply ends (its row extracted and stored in
 the prefix cache, then filtered out).
 
+Failures: what one row does alone (drawing its token: sampling, penalties,
+constraint mask; turning it into text: detokenizer, stop strings; storing its
+KV) fails that row only, which leaves the batch unstored while the others go
+on. A failure of what the rows share (the forward pass, reading the step's
+tokens back, the batch cache) fails every row in the batch, whose cache may
+hold a half-done step and is dropped; requests still reading their prompts,
+and those that come later, start a new one.
+
 Decode computes one step ahead, as the one-at-a-time loop does: a step's forward
 pass is queued on the tokens the previous step drew before those are read back,
 so turning tokens into text overlaps the model. A row that ends at EOS or a stop
 string has had one more step computed for it, which is dropped; that step puts
 its last token's KV in the cache, so the stored reply keeps its end-of-turn
-token. A small batch on a CPU node is the exception: its forward runs as it is
-built (`cpu_few_rows`), so its tokens are read back in the step that drew them,
-and a stored reply stops before its last token (the next turn reads that one
-token along with its new ones: cheaper than a closing step spent on it).
+token. A batch of up to the model's `eager_rows` is the exception: its tokens
+are read back in the step that drew them (`Forward.eager_rows` says why and
+what becomes of a reply's last token).
 """
 
 from collections import deque
@@ -44,6 +51,7 @@ import mlx.core as mx
 from exo.engine.mlx.constrained import request_sampling
 from exo.engine.mlx.generate import (
     DECODE_STREAM,
+    Finished,
     GenerationOutput,
     LocalModel,
     TextGenerator,
@@ -70,6 +78,7 @@ class GenerationFailed:
 
 
 BatchOutput = GenerationOutput | PromptProgress | GenerationFailed
+Outputs = list[tuple[str, BatchOutput]]  # a step's, by task id
 
 
 def can_batch(layers: Sequence[LayerCache]) -> bool:
@@ -77,7 +86,7 @@ def can_batch(layers: Sequence[LayerCache]) -> bool:
     return all(callable(getattr(layer, "merge", None)) for layer in layers)
 
 
-@dataclass
+@dataclass(eq=False)  # one object per request: sets of rows go by identity
 class _Request:
     task_id: str
     tokens: Sequence[int]
@@ -159,18 +168,18 @@ class ContinuousBatcher:
                 self._reading.remove(request)
                 self._chunks.pop(task_id, None)
                 return True
-        for index, row in enumerate(self._rows):
+        for row in self._rows:
             if row.task_id == task_id:
-                self._leave([index], store=False)
+                self._leave({row})
                 return True
         return False
 
-    def step(self) -> list[tuple[str, BatchOutput]]:
+    def step(self) -> Outputs:
         """Prompt reading worth up to one prefill chunk (a chunk of the oldest
         request, or the short prompts of several), then one decode step: what they
         let out, by task id. A failure fails the requests it touched, never the
-        batcher."""
-        outputs: list[tuple[str, BatchOutput]] = []
+        batcher (see the module docstring)."""
+        outputs: Outputs = []
         budget = self._generator.prefill_step_tokens
         while self._reading and len(self._rows) < self.max_batch and budget > 0:
             group = self._short_prompts(budget)
@@ -188,16 +197,22 @@ class ContinuousBatcher:
             try:
                 outputs.extend((request.task_id, o) for o in self._read(request))
             except Exception as error:
-                self._reading.popleft()
+                if self._reading and self._reading[0] is request:  # else `_read` took it
+                    self._reading.popleft()
                 self._chunks.pop(request.task_id, None)
                 outputs.append((request.task_id, GenerationFailed(error)))
             budget -= max(1, request.read - before)
         if self._rows:
             try:
-                outputs.extend(self._decode())
+                self._decode(outputs)
             except Exception as error:
-                # The batch cache may hold a half-done step: every row fails.
-                outputs.extend((row.task_id, GenerationFailed(error)) for row in self._rows)
+                # What the rows share failed, and the batch cache may hold a
+                # half-done step: every row still replying fails.
+                outputs.extend(
+                    (row.task_id, GenerationFailed(error))
+                    for row in self._rows
+                    if not row.stream.finished
+                )
                 self._rows, self._cache = [], []
         return outputs
 
@@ -215,7 +230,7 @@ class ContinuousBatcher:
             total += rest
         return group
 
-    def _read_together(self, group: list[_Request]) -> list[tuple[str, BatchOutput]]:
+    def _read_together(self, group: list[_Request]) -> Outputs:
         """The rest of each prompt but its last token, all in one forward pass
         (right-padded to the longest; each row's cache, restored or empty, merged
         into a batch cache left-padded to the longest), then they join the batch."""
@@ -235,7 +250,7 @@ class ContinuousBatcher:
             for layer in merged:
                 layer.finalize()
             mx.eval([layer.state for layer in merged])
-        outputs: list[tuple[str, BatchOutput]] = []
+        outputs: Outputs = []
         for request in group:
             request.read = len(request.tokens) - 1
             request.layers = []
@@ -289,68 +304,104 @@ class ContinuousBatcher:
                 mine.extend(theirs)
         self._rows.extend(requests)
 
-    def _decode(self) -> list[tuple[str, BatchOutput]]:
-        outputs: list[tuple[str, BatchOutput]] = []
+    def _decode(self, outputs: Outputs) -> None:
+        """One decode step of the batch. Its outputs go to `outputs` as they come,
+        so that those before a shared failure (which raises) are kept; a row's own
+        failure is its `GenerationFailed` there, and it leaves the batch."""
         # A row whose queued token is its last by `max_tokens` ends before the
         # step: no forward pass is spent on it.
-        last = [i for i, row in enumerate(self._rows) if self._ends_with_pending(row)]
+        last = [row for row in self._rows if self._ends_with_pending(row)]
         if last:
-            outputs.extend(self._read_back([self._rows[i] for i in last]))
-            self._leave(last, store=True)
+            failed = self._read_back(last, outputs)
+            self._leave({row for row in last if row not in failed}, outputs)
+            self._leave(failed)
         if not self._rows:
-            return outputs
+            return
         rows = self._rows
         inputs = mx.concatenate([row.input for row in rows if row.input is not None])
         with mx.stream(DECODE_STREAM):
             logits = self._model.model(inputs[:, None], cache=self._cache)[:, -1, :]
-            if all(row.sampling.plain_greedy for row in rows):
-                drawn = greedy_rows(logits, [row.sampling for row in rows])
-            else:
-                drawn = [row.sampling.draw(logits[i : i + 1]) for i, row in enumerate(rows)]
-        PendingToken.async_eval_all(drawn)
-        # Rows that fed their last prompt token: their first token is read back
-        # now. So are a small batch's on a CPU node: its forward ran as it was
-        # built (`cpu_few_rows`), and waiting a step would only delay the tokens.
-        eager = len(rows) <= self._model.eager_rows
-        new = [eager or not row.generated for row in rows]
-        outputs.extend(self._read_back(rows))
+            drawn = self._draw(rows, logits)
+        failed = set[_Request]()
         for row, pending in zip(rows, drawn, strict=True):
-            row.pending, row.input = pending, pending.token
+            if isinstance(pending, Exception):
+                outputs.append((row.task_id, GenerationFailed(pending)))
+                failed.add(row)
+        PendingToken.async_eval_all([p for p in drawn if isinstance(p, PendingToken)])
+        # Rows that fed their last prompt token: their first token is read back
+        # now. So are a batch's of up to `eager_rows` (`Forward.eager_rows`).
+        eager = len(rows) <= self._model.eager_rows
+        new = {row for row in rows if eager or not row.generated}
+        failed |= self._read_back([row for row in rows if row not in failed], outputs)
+        for row, pending in zip(rows, drawn, strict=True):
+            if isinstance(pending, PendingToken):
+                row.pending, row.input = pending, pending.token
         # A row the first read-back ended (a batch that just shrank to eager size)
         # leaves as in step-ahead mode: its last token fed, the extra one dropped.
-        fresh = [row for row, n in zip(rows, new, strict=True) if n and not row.stream.finished]
+        fresh = [row for row in rows if row in new and row not in failed]
+        fresh = [row for row in fresh if not row.stream.finished]
         if fresh:
-            outputs.extend(self._read_back(fresh))
-        ended = [i for i, row in enumerate(rows) if row.stream.finished]
-        if ended:
-            self._leave(ended, store=True)
-        return outputs
+            failed |= self._read_back(fresh, outputs)
+        self._leave({row for row in rows if row.stream.finished and row not in failed}, outputs)
+        self._leave(failed)
+
+    @staticmethod
+    def _draw(rows: list[_Request], logits: mx.array) -> list[PendingToken | Exception]:
+        """Each row's next token from its row of `logits`, or what its drawing raised."""
+        if all(row.sampling.plain_greedy for row in rows):
+            try:
+                return list(greedy_rows(logits, [row.sampling for row in rows]))
+            except Exception:
+                pass  # a row's own (its `logit_bias`): drawn one by one below, it fails alone
+        drawn: list[PendingToken | Exception] = []
+        for i, row in enumerate(rows):
+            try:
+                drawn.append(row.sampling.draw(logits[i : i + 1]))
+            except Exception as error:
+                drawn.append(error)
+        return drawn
 
     @staticmethod
     def _ends_with_pending(row: _Request) -> bool:
         return row.pending is not None and len(row.generated) + 1 >= row.params.max_tokens
 
     @staticmethod
-    def _read_back(rows: list[_Request]) -> list[tuple[str, BatchOutput]]:
-        """The rows' queued tokens, read back (one wait) and turned into text."""
+    def _read_back(rows: list[_Request], outputs: Outputs) -> set[_Request]:
+        """The rows' queued tokens, read back (one wait) and turned into text, to
+        `outputs`; the rows whose text failed (their `GenerationFailed` is there)."""
         queued = [row for row in rows if row.pending is not None]
         sampled = PendingToken.resolve_all([row.pending for row in queued if row.pending])
-        outputs: list[tuple[str, BatchOutput]] = []
+        failed = set[_Request]()
         for row, token in zip(queued, sampled, strict=True):
             row.pending = None
             row.generated.append(token.token)
-            outputs.extend((row.task_id, output) for output in row.stream.feed(token))
-        return outputs
+            try:
+                outputs.extend((row.task_id, output) for output in row.stream.feed(token))
+            except Exception as error:
+                outputs.append((row.task_id, GenerationFailed(error)))
+                failed.add(row)
+        return failed
 
-    def _leave(self, indices: list[int], store: bool) -> None:
-        """Take rows out of the batch, storing their KV in the prefix cache first."""
-        if store and self._generator.prefix_cache is not None:
-            for index in indices:
-                row = self._rows[index]
-                layers = [layer.extract(index) for layer in self._cache]
-                self._generator.store_reply(row.tokens, row.generated, layers)
-        gone = set(indices)
-        keep = [i for i in range(len(self._rows)) if i not in gone]
+    def _leave(self, rows: set[_Request], outputs: Outputs | None = None) -> None:
+        """Take `rows` out of the batch. With `outputs` (the step's), their replies
+        ended there: their KV is stored in the prefix cache first, and a row whose
+        store fails has its `Finished` replaced by `GenerationFailed`."""
+        if not rows:
+            return
+        if outputs is not None and self._generator.prefix_cache is not None:
+            for index, row in enumerate(self._rows):
+                if row in rows:
+                    try:
+                        layers = [layer.extract(index) for layer in self._cache]
+                        self._generator.store_reply(row.tokens, row.generated, layers)
+                    except Exception as error:
+                        outputs[:] = [
+                            (task_id, output)
+                            for task_id, output in outputs
+                            if not (task_id == row.task_id and isinstance(output, Finished))
+                        ]
+                        outputs.append((row.task_id, GenerationFailed(error)))
+        keep = [i for i, row in enumerate(self._rows) if row not in rows]
         self._rows = [self._rows[i] for i in keep]
         if not keep:
             self._cache = []

@@ -17,10 +17,8 @@ evaluated first, one wait per distinct input (q, k and v share theirs, as gate
 and up do), ~50 µs each.
 
 Consequences for callers:
-- A forward pass of up to `KERNEL_ROWS` rows runs as it is built, so a decode
-  loop cannot overlap it with handing out the previous tokens; such loops hand
-  the tokens out first (`eager_rows`), and a reply's last token is then never
-  fed in: the stored reply stops before it.
+- A forward pass of up to `KERNEL_ROWS` rows runs as it is built (`eager_rows`);
+  `Forward.eager_rows` (`generate.py`) says what decode loops make of that.
 - The kernel sums in another order than `sgemm`: a row's logits alone (or in a
   batch of up to `KERNEL_ROWS`) and in a bigger batch agree to float32 rounding
   (~1e-4), not bit for bit, so a greedy near-tie may resolve differently.
@@ -28,8 +26,12 @@ Consequences for callers:
   product, and `mx.compile` or `mx.vmap` of a few-row call raises.
 - Where the kernel cannot be had (no numba, which is a Linux dependency; numba's
   cache folders not writable; a failed compile), nothing is swapped.
+- The kernel's threads (OpenMP, libgomp) take their settings once, when the
+  kernel first runs, which loading a model does: `configure_kernel_threads`
+  comes before that.
 """
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +43,12 @@ from mlx.utils import tree_unflatten
 
 # Up to this many rows the kernel beats `sgemm` (measured above); beyond, MLX's matmul.
 KERNEL_ROWS = 4
+# How long the kernel's OpenMP threads spin after each parallel region, in a
+# pipeline rank: libgomp's default (300,000 rounds) bridges the gaps between a
+# step's matmuls (a lone runner's 2-4-row steps were ~25 % slower at 10,000), but
+# it also spins through a rank's wait for its neighbour, so ranks sharing cores
+# slowed each other (2 ranks 0.72x of 1 rank; 1.01x at 10,000).
+PIPELINE_GOMP_SPINCOUNT = "10000"
 
 Float32Matrix = np.ndarray[Any, np.dtype[np.float32]]
 Product = Callable[[Float32Matrix, Float32Matrix], Float32Matrix]
@@ -107,6 +115,16 @@ class FewRowsEmbedding(nn.Embedding):
         return super().as_linear(x) if y is None else y
 
 
+def configure_kernel_threads(pipeline_rank: bool) -> None:
+    """Set how this process's kernel threads wait between parallel regions. Call
+    it before loading a model: libgomp reads its settings once, when numba loads it
+    for the kernel's first run (`load_kernel`, which loading a model calls).
+    A pipeline rank's threads spin less (`PIPELINE_GOMP_SPINCOUNT`); a whole-model
+    runner keeps libgomp's default. A value already in the environment wins."""
+    if pipeline_rank:
+        os.environ.setdefault("GOMP_SPINCOUNT", PIPELINE_GOMP_SPINCOUNT)
+
+
 def load_kernel() -> Product | None:
     """The kernel, compiled (or read from numba's cache); None where it cannot be
     had (no numba, numba's cache folders not writable, a failed compile)."""
@@ -140,6 +158,6 @@ def use_kernel_for_few_rows(model: nn.Module) -> nn.Module:
 
 def eager_rows(model: nn.Module) -> int:
     """Up to how many rows `model`'s forward pass runs as it is built (0: none,
-    MLX's lazy graph throughout)."""
+    MLX's lazy graph throughout): its `Forward.eager_rows`."""
     swapped = any(isinstance(m, FewRowsLinear | FewRowsEmbedding) for m in model.modules())
     return KERNEL_ROWS if swapped else 0

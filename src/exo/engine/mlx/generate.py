@@ -82,6 +82,23 @@ class Forward(Protocol):
     whole model here (`LocalModel`), or rank 0 driving a pipeline whose other
     ranks run their layers on what it sends (`pipeline.PipelineDriver`)."""
 
+    @property
+    def eager_rows(self) -> int:
+        """Up to how many rows (requests decoding together) a forward pass runs as
+        it is built, not when its result is awaited (0: never).
+
+        What decode makes of it, said here only: up to this many rows a step has
+        nothing to overlap, so a decode loop hands out the tokens a step drew
+        before it builds the next step (each token goes out in the step that
+        computed it). A reply's last token is then never fed in: the stored reply
+        stops one token short, and the next turn reads that token along with its
+        new ones (cheaper than a closing step spent on it). Beyond it, a loop
+        builds the next step on the drawn tokens before reading them back, so
+        turning tokens into text overlaps the model; a reply that ends has had
+        one more step computed for it, which is dropped, and its stored reply
+        keeps its last token."""
+        ...
+
     def make_cache(self) -> list[LayerCache]:
         """Empty cache objects for the layers this process holds."""
         ...
@@ -110,8 +127,8 @@ class Forward(Protocol):
     def decode(
         self, token: int, layers: list[LayerCache], max_tokens: int
     ) -> Iterator[SampledToken]:
-        """Up to `max_tokens` tokens after `token`, each fed back in (one step may
-        be computed ahead of the token handed out)."""
+        """Up to `max_tokens` tokens after `token`, each but maybe the last fed
+        back in (`eager_rows` says which, and whether a step is computed ahead)."""
         ...
 
     def storing(self, tokens: Sequence[int], prompt_length: int) -> None:
@@ -127,9 +144,7 @@ class LocalModel:
     def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        # Up to this many rows a forward pass runs as it is built (`cpu_few_rows`):
-        # nothing to overlap.
-        self.eager_rows = eager_rows(model)
+        self.eager_rows = eager_rows(model)  # the CPU kernel's (`Forward.eager_rows`)
         self._sampling: SamplingStep | None = None
 
     def make_cache(self) -> list[LayerCache]:
@@ -175,7 +190,7 @@ class LocalModel:
         current = step(mx.array([token]))
         current.async_eval()
         for n in range(max_tokens):
-            if self.eager_rows:  # the token goes out before the next step runs
+            if self.eager_rows:  # out before the next step: `Forward.eager_rows`
                 yield current.resolve()
             upcoming = step(current.token) if n + 1 < max_tokens else None
             if upcoming is not None:

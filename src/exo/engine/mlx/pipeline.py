@@ -233,6 +233,9 @@ class PipelineDriver:
     tokens and runs the first layers; the other ranks run theirs on what it sends,
     and the last one draws the tokens."""
 
+    # One row, each step's token awaited (its TOKEN) before the next is sent.
+    eager_rows = 1
+
     def __init__(self, link: RingLink, shard: ShardModel) -> None:
         if link.rank != 0 or not shard.layer_range.is_first:
             raise PipelineError("the driver runs on rank 0, which holds the first layers")

@@ -63,15 +63,6 @@ def _gfortran_shim_dir(cache_dir: Path) -> Path | None:
     return shim
 
 
-# How long the OpenMP threads of the CPU decode kernel (`cpu_few_rows`) spin
-# after each parallel region, in a pipeline rank: libgomp's default (300,000
-# rounds) bridges the gaps between a step's matmuls (a lone runner's 2-4-row
-# steps were ~25 % slower at 10,000), but it also spins through a rank's wait for
-# its neighbour, so ranks sharing cores slowed each other (2 ranks 0.72x of 1
-# rank; 1.01x at 10,000).
-PIPELINE_GOMP_SPINCOUNT = "10000"
-
-
 def runner_environment(cache_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a runner child process (OpenBLAS preloaded where found)."""
     env = dict(os.environ if base is None else base)

@@ -14,7 +14,6 @@ first. A clean stop writes what the prefix cache has not on disk yet (the next
 start's agreement drops what another rank did not write).
 """
 
-import os
 import time
 from contextlib import suppress
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import mlx.core as mx
 from loguru import logger
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from exo.engine.mlx.cpu_few_rows import configure_kernel_threads
 from exo.engine.mlx.generate import TextGenerator
 from exo.engine.mlx.load import load_model_tokenizer, parameter_bytes
 from exo.engine.mlx.one_at_a_time import OneAtATime
@@ -38,8 +38,8 @@ from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
 from exo.engine.mlx.ring import PeerLost, RingLink, join_ring
 from exo.engine.mlx.shard import ShardModel, load_shard
+from exo.engine.mlx.warm_up import warm_up_shard
 from exo.shared.types.shard import LayerRange
-from exo.worker.runner.blas import PIPELINE_GOMP_SPINCOUNT
 from exo.worker.runner.cache_policy import may_persist, memory_pressure
 from exo.worker.runner.inbox import StopRequested
 from exo.worker.runner.protocol import StatusChanged
@@ -88,9 +88,9 @@ def _join(
     logger.info(
         f"joined the pipeline group as rank {link.rank} of {link.size} in {joined - started:.1f}s"
     )
-    # Before numba loads libgomp (in `load_shard`), which reads it then.
-    os.environ.setdefault("GOMP_SPINCOUNT", PIPELINE_GOMP_SPINCOUNT)
+    configure_kernel_threads(pipeline_rank=True)  # before loading, which starts the threads
     shard = load_shard(model_dir, layers)
+    warm_up_shard(shard)  # first-use compiles before the handshake, not in the first request
     logger.info(
         f"loaded {layers} ({parameter_bytes(shard) / 1e6:.0f} MB, peak "
         f"{mx.get_peak_memory() / 1e6:.0f} MB) in {time.monotonic() - joined:.1f}s"

@@ -13,6 +13,7 @@ from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.one_at_a_time import OneAtATime
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
+from exo.engine.mlx.warm_up import warm_up
 from exo.worker.runner.cache_policy import may_persist, memory_pressure
 from exo.worker.runner.inbox import StopRequested
 from exo.worker.runner.serving import Batch, Runner
@@ -37,6 +38,7 @@ def serve_whole_model(
         else None
     )
     local = LocalModel(model, tokenizer)
+    warm_up(local)  # first-use compiles before "ready", not in the first request
     batch = _batch(runner, TextGenerator(local, tokenizer, cache), local)
     runner.ready(cache)
     try:
