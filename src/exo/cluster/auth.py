@@ -387,10 +387,8 @@ class PeerSession:
                 _StreamStream(self._token),
             ],
         )
-
-    @property
-    def stub(self) -> pb_grpc.ClusterStub:
-        return pb_grpc.ClusterStub(self.channel)
+        # One stub per session: a failed call names its session by it (`Channels.failed`).
+        self.stub = pb_grpc.ClusterStub(self.channel)
 
     def expiring(self) -> bool:
         """The token has less than a tenth of its life left."""

@@ -161,8 +161,12 @@ class Replication:
             LogCompacted,
             ValidationError,
         ) as errors:
-            # The caller reconnects (or, taking over, goes on with what it has).
+            # The caller reconnects (or, taking over, goes on with what it has),
+            # on a new session if the failure ended this one.
             logger.debug(f"event stream from {address} ended: {errors.exceptions[0]!r}")
+            for error in errors.exceptions:
+                if isinstance(error, Exception):
+                    await self._channels.failed(address, error, stub)
         finally:
             stream.cancel()
 
@@ -217,10 +221,15 @@ class Replication:
         ]
         try:
             stub = await self._channels.stub(master.address)
+        except LinkError as error:
+            logger.debug(f"publishing to {master.node_id} failed: {error!r}")
+            return False
+        try:
             ack: pb.Ack = await stub.PublishEvents(
                 pb.EventBatch(events=envelopes), timeout=RPC_TIMEOUT_SECONDS
             )
-        except (LinkError, *CALL_ERRORS) as error:
+        except CALL_ERRORS as error:
             logger.debug(f"publishing to {master.node_id} failed: {error!r}")
+            await self._channels.failed(master.address, error, stub)  # a new session if it ended
             return False
         return ack.ok
