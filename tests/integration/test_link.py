@@ -190,27 +190,3 @@ async def test_a_node_publishes_only_its_own_events(tmp_path: Path) -> None:
         assert a.state.nodes[b.node_id].started_at_ms == 2
         assert a.state.master_id == a.node_id and a.node_id in a.state.nodes
         assert a.state.nodes[a.node_id].grpc_address == a.address
-
-
-async def test_a_timed_out_call_ends_its_session_and_a_stale_failure_keeps_the_new_one(
-    tmp_path: Path,
-) -> None:
-    """A session whose calls time out is replaced (the peer, calling on its own
-    session, may still look alive); a failure of a call made on an older session
-    does not close the one opened since."""
-    async with two_links(tmp_path) as (a, b):
-        channels = b._channels  # pyright: ignore[reportPrivateUsage]
-        old = await channels.stub(a.address)
-        timed_out = grpc.aio.AioRpcError(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            grpc.aio.Metadata(),
-            grpc.aio.Metadata(),
-            "Deadline Exceeded",
-        )
-        assert await channels.failed(a.address, timed_out, old)
-        new = await channels.stub(a.address)
-        assert new is not old
-        assert await channels.failed(a.address, timed_out, old)  # late, from the old session
-        assert await channels.stub(a.address) is new
-        reply = await new.Hello(pb.HelloRequest(node_id=b.node_id), timeout=5)
-        assert reply.node_id == a.node_id

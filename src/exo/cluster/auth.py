@@ -387,8 +387,10 @@ class PeerSession:
                 _StreamStream(self._token),
             ],
         )
-        # One stub per session: a failed call names its session by it (`Channels.failed`).
-        self.stub = pb_grpc.ClusterStub(self.channel)
+
+    @property
+    def stub(self) -> pb_grpc.ClusterStub:
+        return pb_grpc.ClusterStub(self.channel)
 
     def expiring(self) -> bool:
         """The token has less than a tenth of its life left."""

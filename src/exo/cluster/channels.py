@@ -16,14 +16,8 @@ RPC_TIMEOUT_SECONDS = 2.0
 CALL_ERRORS = (grpc.aio.AioRpcError, grpc.aio.UsageError)
 
 # A call that failed with one of these ends the session: the peer restarted
-# (a new certificate, a new process) or no longer takes our token, or the
-# session's connection is wedged (calls time out while the peer, calling us on
-# its own session, still looks alive).
-_SESSION_ENDING = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-)
+# (a new certificate, a new process) or no longer takes our token.
+_SESSION_ENDING = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
 
 
 class Channels:
@@ -51,18 +45,13 @@ class Channels:
                     raise
         return session.stub
 
-    async def failed(
-        self, address: str, error: Exception, stub: pb_grpc.ClusterStub | None = None
-    ) -> bool:
-        """A call to `address` (made on `stub`, when given) failed: a new session
-        next time, if the failure says so (True). A session opened since that
-        call was made is kept."""
-        if not (isinstance(error, grpc.aio.AioRpcError) and error.code() in _SESSION_ENDING):
-            return False
-        session = self._sessions.get(address)
-        if stub is None or (session is not None and session.stub is stub):
+    async def failed(self, address: str, error: Exception) -> bool:
+        """A call to `address` failed: a new session next time, if the failure
+        says so (True)."""
+        if isinstance(error, grpc.aio.AioRpcError) and error.code() in _SESSION_ENDING:
             await self._forget(address)
-        return True
+            return True
+        return False
 
     async def _forget(self, address: str) -> None:
         session = self._sessions.pop(address, None)

@@ -134,6 +134,9 @@ class Membership:
     async def _hello(self, address: str, retry: bool = True) -> None:
         try:
             stub = await self._channels.stub(address)
+            reply: pb.HelloReply = await stub.Hello(
+                pb.HelloRequest(**self._hello_view()), timeout=RPC_TIMEOUT_SECONDS
+            )
         except LinkError as error:
             if error.untrusted and address not in self._untrusted:
                 self._untrusted.add(address)  # warned once, until it answers
@@ -141,12 +144,8 @@ class Membership:
             if error.refused:  # its process is gone: no need to wait out the timeout
                 self._drop(address, "its address refuses connections")
             return
-        try:
-            reply: pb.HelloReply = await stub.Hello(
-                pb.HelloRequest(**self._hello_view()), timeout=RPC_TIMEOUT_SECONDS
-            )
         except CALL_ERRORS as error:
-            if await self._channels.failed(address, error, stub) and retry:
+            if await self._channels.failed(address, error) and retry:
                 await self._hello(address, retry=False)  # a fresh session at once: gone or back?
             return
         self._untrusted.discard(address)

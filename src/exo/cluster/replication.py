@@ -161,12 +161,8 @@ class Replication:
             LogCompacted,
             ValidationError,
         ) as errors:
-            # The caller reconnects (or, taking over, goes on with what it has),
-            # on a new session if the failure ended this one.
+            # The caller reconnects (or, taking over, goes on with what it has).
             logger.debug(f"event stream from {address} ended: {errors.exceptions[0]!r}")
-            for error in errors.exceptions:
-                if isinstance(error, Exception):
-                    await self._channels.failed(address, error, stub)
         finally:
             stream.cancel()
 
@@ -221,15 +217,10 @@ class Replication:
         ]
         try:
             stub = await self._channels.stub(master.address)
-        except LinkError as error:
-            logger.debug(f"publishing to {master.node_id} failed: {error!r}")
-            return False
-        try:
             ack: pb.Ack = await stub.PublishEvents(
                 pb.EventBatch(events=envelopes), timeout=RPC_TIMEOUT_SECONDS
             )
-        except CALL_ERRORS as error:
+        except (LinkError, *CALL_ERRORS) as error:
             logger.debug(f"publishing to {master.node_id} failed: {error!r}")
-            await self._channels.failed(master.address, error, stub)  # a new session if it ended
             return False
         return ack.ok
