@@ -23,6 +23,7 @@ from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.shared.types.constraints import JsonSchema
 from exo.shared.types.tasks import GenerationParams
+from tests.batch_drain import drain
 from tests.constraint_examples import PERSON
 from tests.platforms import needs_cpu_backend, needs_numba
 
@@ -59,16 +60,6 @@ def batcher(
 
 
 Reply = tuple[str, Finished]
-
-
-def drain(batch: ContinuousBatcher, max_steps: int = 2000) -> dict[str, list[BatchOutput]]:
-    outputs: dict[str, list[BatchOutput]] = {}
-    for _ in range(max_steps):
-        if batch.idle:
-            return outputs
-        for task_id, output in batch.step():
-            outputs.setdefault(task_id, []).append(output)
-    raise AssertionError("the batch did not finish")
 
 
 def reply(outputs: list[BatchOutput]) -> Reply:

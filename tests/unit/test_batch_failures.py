@@ -19,6 +19,7 @@ from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache
 from exo.engine.mlx.sampling import SampledToken
 from exo.shared.types.tasks import GenerationParams
+from tests.batch_drain import drain
 
 PROMPTS = [[1, 17, 290, 11, 402], [1, 9, 5000, 31], [1, 44, 45, 46, 47, 48], [1, 700, 8]]
 Loaded = tuple[nn.Module, TokenizerWrapper]
@@ -51,18 +52,6 @@ def batcher(
     model, tokenizer = loaded
     generator = TextGenerator(LocalModel(model, tokenizer), tokenizer, cache, prefill_step_tokens)
     return ContinuousBatcher(generator)
-
-
-def drain(
-    batch: ContinuousBatcher, outputs: dict[str, list[BatchOutput]] | None = None
-) -> dict[str, list[BatchOutput]]:
-    outputs = {} if outputs is None else outputs
-    for _ in range(500):
-        if batch.idle:
-            return outputs
-        for task_id, output in batch.step():
-            outputs.setdefault(task_id, []).append(output)
-    raise AssertionError("the batch did not finish")
 
 
 def text(outputs: list[BatchOutput]) -> str:

@@ -23,6 +23,9 @@ from pydantic import (
 
 from exo.api.reply_stream import TokenLogprob
 from exo.api.request_fields import (
+    CACHE_BY_TOKENS,
+    NO_END_USERS,
+    SCHEMA_NOT_SHOWN,
     choice_not_among_tools,
     declared_types,
     reject_non_function_choice,
@@ -288,30 +291,27 @@ REJECTED_CHAT_FIELDS: dict[str, str] = {
     "functions": "the deprecated functions is not supported: send tools",
     "function_call": "the deprecated function_call is not supported: send tool_choice",
 }
-_NO_END_USERS = "an end user's id, for OpenAI's abuse monitoring: exo has none"
-_CACHE_BY_TOKENS = "the prefix cache matches prompts by their tokens, with no keys or breakpoints"
-_SCHEMA_NOT_SHOWN = "the schema is not shown to the model: the grammar enforces it"
 # Accepted and ignored, with why: the README's list. A top-level name is a
 # field of the request; a dotted path, a field of a part of it (lists and
 # unions looked through). A test checks that each path names a declared field.
 IGNORED_CHAT_FIELDS: dict[str, str] = {
-    "user": _NO_END_USERS,
-    "safety_identifier": _NO_END_USERS,
+    "user": NO_END_USERS,
+    "safety_identifier": NO_END_USERS,
     "metadata": "tags of stored completions: exo stores none",
     "store": "exo stores no completions",
     "service_tier": "exo serves every request alike",
-    "prompt_cache_key": _CACHE_BY_TOKENS,
-    "prompt_cache_options": _CACHE_BY_TOKENS,
+    "prompt_cache_key": CACHE_BY_TOKENS,
+    "prompt_cache_options": CACHE_BY_TOKENS,
     "prompt_cache_retention": "cache entries live until evicted (LRU, memory pressure)",
     "verbosity": "a setting of OpenAI's models that chat templates do not have",
     "stream_options.include_obfuscation": "exo sends no obfuscation padding",
     "messages.name": "participant names are not shown to the model "
     "(a tool message's name stands in for its call's when the call is not in the history)",
-    "messages.content.prompt_cache_breakpoint": _CACHE_BY_TOKENS,
+    "messages.content.prompt_cache_breakpoint": CACHE_BY_TOKENS,
     "messages.content.cache_control": "Anthropic's cache breakpoints, sent by some clients: "
-    + _CACHE_BY_TOKENS,
-    "response_format.json_schema.name": _SCHEMA_NOT_SHOWN,
-    "response_format.json_schema.description": _SCHEMA_NOT_SHOWN,
+    + CACHE_BY_TOKENS,
+    "response_format.json_schema.name": SCHEMA_NOT_SHOWN,
+    "response_format.json_schema.description": SCHEMA_NOT_SHOWN,
 }
 
 
@@ -619,7 +619,7 @@ class CompletionRequest(CommonRequestFields):
 
 
 # Honoured: all but these; `n`/`best_of` only as 1, `echo` only false, `suffix` only empty.
-IGNORED_COMPLETION_FIELDS: dict[str, str] = {"user": _NO_END_USERS}
+IGNORED_COMPLETION_FIELDS: dict[str, str] = {"user": NO_END_USERS}
 
 
 class CompletionLogprobs(BaseModel):

@@ -44,3 +44,9 @@ def choice_not_among_tools(kind: str, name: str, names: set[str]) -> PydanticCus
         f"tool_choice names the {kind} {name!r}, which is not among tools "
         f"({', '.join(sorted(names)) or 'none given'})"
     )
+
+
+# Why a field is accepted and ignored, in the words every API's list uses.
+NO_END_USERS = "an end user's id, for OpenAI's abuse monitoring: exo has none"
+CACHE_BY_TOKENS = "the prefix cache matches prompts by their tokens, with no keys or breakpoints"
+SCHEMA_NOT_SHOWN = "the schema is not shown to the model: the grammar enforces it"

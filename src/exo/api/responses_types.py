@@ -18,6 +18,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from exo.api.request_fields import (
+    CACHE_BY_TOKENS,
+    NO_END_USERS,
+    SCHEMA_NOT_SHOWN,
     choice_not_among_tools,
     declared_types,
     reject_non_function_choice,
@@ -212,9 +215,6 @@ REJECTED_RESPONSES_FIELDS: dict[str, str] = {
     "moderation": "moderation is not supported",
     "top_logprobs": "logprobs are not supported in the Responses API: use chat completions",
 }
-_NO_END_USERS = "an end user's id, for OpenAI's abuse monitoring: exo has none"
-_CACHE_BY_TOKENS = "the prefix cache matches prompts by their tokens, with no keys or breakpoints"
-_SCHEMA_NOT_SHOWN = "the schema is not shown to the model: the grammar enforces it"
 _NOT_STORED = "items are not stored or looked up: the request carries them whole"
 _NOT_SHOWN = "not shown to the model"
 # Accepted and ignored, with why: the README's list. A top-level name is a
@@ -224,19 +224,19 @@ IGNORED_RESPONSES_FIELDS: dict[str, str] = {
     "store": "nothing is stored either way",
     "include": "exo returns what it has (the reasoning's text included) whatever is asked",
     "metadata": "tags of stored responses: exo stores none",
-    "user": _NO_END_USERS,
-    "safety_identifier": _NO_END_USERS,
+    "user": NO_END_USERS,
+    "safety_identifier": NO_END_USERS,
     "service_tier": "exo serves every request alike",
-    "prompt_cache_key": _CACHE_BY_TOKENS,
-    "prompt_cache_options": _CACHE_BY_TOKENS,
+    "prompt_cache_key": CACHE_BY_TOKENS,
+    "prompt_cache_options": CACHE_BY_TOKENS,
     "prompt_cache_retention": "cache entries live until evicted (LRU, memory pressure)",
     "stream_options": "its one option asks for obfuscation padding, which exo does not send",
     "context_management": "exo never compacts a conversation: the client sends what the model sees",
     "access_programs": "OpenAI's domain-specific programs: none here",
     "image": "image options: exo generates text only",
     "text.verbosity": "a setting of OpenAI's models that chat templates do not have",
-    "text.format.name": _SCHEMA_NOT_SHOWN,
-    "text.format.description": _SCHEMA_NOT_SHOWN,
+    "text.format.name": SCHEMA_NOT_SHOWN,
+    "text.format.description": SCHEMA_NOT_SHOWN,
     "reasoning.summary": "exo returns the reasoning itself, not a summary",
     "reasoning.generate_summary": "exo returns the reasoning itself, not a summary",
     "input.id": _NOT_STORED,
@@ -248,8 +248,8 @@ IGNORED_RESPONSES_FIELDS: dict[str, str] = {
     "input.encrypted_content": "another server's reasoning, which exo cannot read",
     "input.content.annotations": _NOT_SHOWN,
     "input.content.logprobs": _NOT_SHOWN,
-    "input.content.prompt_cache_breakpoint": _CACHE_BY_TOKENS,
-    "input.output.prompt_cache_breakpoint": _CACHE_BY_TOKENS,
+    "input.content.prompt_cache_breakpoint": CACHE_BY_TOKENS,
+    "input.output.prompt_cache_breakpoint": CACHE_BY_TOKENS,
     "tools.defer_loading": "exo has no tool search: the model sees every tool from the start",
     "tools.allowed_callers": "every call is the model's",
     "tools.output_schema": "a tool's output is shown to the model as the client sends it",
