@@ -22,7 +22,7 @@ from exo.engine.mlx.pipeline import (
     handshake,
     ring_prefix_cache,
 )
-from exo.engine.mlx.prefix_cache import KVPrefixCache
+from exo.engine.mlx.prefix_cache import KVPrefixCache, needs_checkpoints
 from exo.engine.mlx.ring import join_ring
 from exo.engine.mlx.shard import load_shard, model_layer_count
 from exo.shared.types.shard import LayerRange
@@ -82,7 +82,10 @@ def main() -> None:
     shard = load_shard(args.model_dir, layers)
     cache = ring_prefix_cache(link, args.byte_budget, lambda: False)
     assert cache is not None
-    handshake(link, layers, True, timeout=60)
+    agreed = handshake(
+        link, layers, True, timeout=60, checkpoints=needs_checkpoints(shard.make_cache())
+    )
+    cache.ends_only = agreed.ends_only
     watch = CacheWatch(cache)
     report: dict[str, object] = {"rank": link.rank}
     if link.rank == 0:

@@ -1,9 +1,12 @@
-"""A model placed across two real `exo` nodes answers like one node does, and
-a rank killed mid-generation fails the request promptly and is re-placed."""
+"""A model placed across two real `exo` nodes answers like one node does (a dense
+model, a mixture of experts, a linear-attention hybrid, asked through a node
+that serves no rank too), and a rank killed mid-generation fails the request
+promptly and is re-placed."""
 
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -14,9 +17,9 @@ from openai.types.chat import ChatCompletionMessageParam
 from exo.models.store import model_dir
 from exo.shared.types.ids import ModelId
 from exo.worker.runner.standby import is_runner_process
-from tests.e2e.node_process import await_instance
+from tests.e2e.node_process import NodeProcess, await_instance
 from tests.integration.cluster_process import Cluster, agreed, wait_until
-from tests.model_factory import make_tiny_llama
+from tests.model_factory import make_tiny_llama, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -113,3 +116,56 @@ def test_two_ranks_answer_like_one_and_a_killed_rank_is_replaced(
     await_ready(cluster)
     assert ask(b.base_url) == reference
     assert victim not in runner_pids(last_rank.process.pid)
+
+
+def ask_model(base_url: str, model: ModelId) -> str:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", timeout=120)
+    reply = client.chat.completions.create(
+        model=model, messages=QUESTION, temperature=0, max_tokens=12
+    )
+    return reply.choices[0].message.content or ""
+
+
+def serve_and_ask(cluster: Cluster, via: NodeProcess, model: ModelId, body: dict[str, Any]) -> str:
+    """Place `model` as `body` says, ask it through `via`, then delete the instance."""
+    placed = httpx.post(
+        f"{via.base_url}/place_instance", json={"model_id": model, **body}, timeout=20
+    )
+    assert placed.status_code == 201, placed.text
+    instance = placed.json()
+    events = await_instance(via.base_url, model)
+    logs = "\n".join(f"--- {node.base_url}\n{node.log()[-4000:]}" for node in cluster.nodes)
+    assert events[-1]["status"] == "ready", f"{events}\n{logs}"
+    answer = ask_model(via.base_url, model)
+    httpx.delete(f"{via.base_url}/instance/{instance['instance_id']}", timeout=20)
+    wait_until(lambda: not via.get("/state")["instances"], 30, "the instance gone")
+    return answer
+
+
+def test_a_moe_and_a_hybrid_split_over_two_nodes_answer_through_a_node_that_serves_none(
+    cluster: Cluster, tmp_path: Path, smollm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dirs = [tmp_path / f"models{i}" for i in range(3)]
+    families = {
+        ModelId("test-org/tiny-moe"): "qwen3_moe",
+        ModelId("test-org/tiny-hybrid"): "qwen3_next",
+    }
+    for model, family in families.items():  # on A only: B fetches its rank's files from A
+        make_tiny_model(family, model_dir(dirs[0], model), smollm_dir, n_layers=6)
+    a, b = (cluster.start(i, model="none", models_dir=dirs[i]) for i in range(2))
+    api_only = cluster.start(2, models_dir=dirs[2])  # --no-worker: it serves no rank
+    wait_until(lambda: agreed(cluster.nodes), 30, "three nodes agreeing")
+    workers = sorted([a.get("/node_id"), b.get("/node_id")])
+    for model in families:
+        wait_until(lambda model=model: model in api_only.get("/state")["cards"], 20, "the card")
+        preview = httpx.get(
+            f"{api_only.base_url}/instance/previews",
+            params={"model_id": model, "min_nodes": 2},
+            timeout=20,
+        )
+        assert preview.status_code == 200, preview.text
+        split = serve_and_ask(cluster, api_only, model, {"min_nodes": 2, "max_nodes": 2})
+        whole = serve_and_ask(cluster, api_only, model, {"max_nodes": 1})
+        assert split and split == whole, (model, split, whole)
+    assert not set(workers) & {api_only.get("/node_id")}

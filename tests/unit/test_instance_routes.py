@@ -148,6 +148,15 @@ async def test_a_preview_of_a_hub_model_publishes_nothing() -> None:
     assert cluster.commands == [] and cluster.published == []
 
 
+async def test_a_preview_says_each_nodes_weights_and_kv() -> None:
+    [first, *_] = (await instance_previews(cluster_of_one().state, Hub(), ON_HUB))["placements"]
+    # HUB_CONFIG: 4 layers, keys and values of one 16-wide KV head per token, a
+    # 4096-token context; float16 on Metal.
+    assert first["kv_bytes"] == {NODE: 4 * 2 * 16 * 2 * 4096}
+    assert first["weight_bytes"][NODE] > 0
+    assert first["memory_bytes"][NODE] == first["weight_bytes"][NODE] + first["kv_bytes"][NODE]
+
+
 async def test_the_previews_route_publishes_nothing() -> None:
     cluster = cluster_of_one()
     app = FastAPI()

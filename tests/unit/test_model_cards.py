@@ -16,7 +16,7 @@ from exo.models.cards import (
     card_from_folder,
     estimate_params,
 )
-from exo.models.memory import kv_bytes_per_token, memory_other, memory_per_layer
+from exo.models.memory import kv_bytes_per_token, layer_weights, memory_other
 from exo.models.safetensors_header import SafetensorsHeaderError, read_safetensors_header
 from exo.models.store import context_length
 from exo.models.weight_files import layer_files, shard_files
@@ -74,8 +74,8 @@ def test_smollm_card_bytes_add_up_to_the_safetensors_data(smollm_dir: Path) -> N
 
 def test_smollm_memory_by_backend(smollm_dir: Path) -> None:
     card = card_from_folder(ModelId("SmolLM2-135M-Instruct"), smollm_dir)
-    assert memory_per_layer(card, "metal") == memory_per_layer(card, "cuda") == SMOL_LAYER_BYTES
-    assert memory_per_layer(card, "cpu") == SMOL_LAYER_PARAMS * 4
+    assert layer_weights(card, "metal") == layer_weights(card, "cuda") == (SMOL_LAYER_BYTES,) * 30
+    assert layer_weights(card, "cpu") == (SMOL_LAYER_PARAMS * 4,) * 30
     assert memory_other(card, "cpu") == (49152 * 576 + 576) * 4
     assert memory_other(card, "metal") == card.other_bytes
     assert kv_bytes_per_token(card, "cpu") == 2 * 3 * 64 * 30 * 4
@@ -90,7 +90,7 @@ def test_cpu_estimate_matches_the_loaded_model(smollm_dir: Path) -> None:
     model, _ = load_for_inference(smollm_dir)
     arrays = [v for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)]
     loaded = sum(a.nbytes for a in arrays)
-    predicted = card.n_layers * memory_per_layer(card, "cpu") + memory_other(card, "cpu")
+    predicted = sum(layer_weights(card, "cpu")) + memory_other(card, "cpu")
     assert loaded == predicted
 
 
@@ -134,9 +134,9 @@ def synthetic_card(**overrides: Any) -> ModelCard:
 )
 def test_memory_per_layer_by_backend(backend: Any, per_layer: int) -> None:
     card = synthetic_card()
-    assert memory_per_layer(card, backend) == per_layer
+    assert layer_weights(card, backend) == (per_layer,) * 4
     packed_weight_bytes = card.layer_params * 4 // 8
-    assert memory_per_layer(card, "cpu") == 8 * packed_weight_bytes
+    assert layer_weights(card, "cpu")[0] == 8 * packed_weight_bytes
 
 
 @pytest.mark.parametrize(
@@ -231,7 +231,7 @@ def test_sharded_card_sizes(sharded_dir: Path) -> None:
         "tokenizer.json",
     )
     # Unquantized fp16 on the CPU becomes float32: twice the bytes.
-    assert memory_per_layer(card, "cpu") == 2 * memory_per_layer(card, "metal")
+    assert layer_weights(card, "cpu") == tuple(2 * w for w in layer_weights(card, "metal"))
 
 
 S1, S2, S3 = SHARDS
@@ -343,12 +343,12 @@ LLAMA_1B_LAYER = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192 + 2 * 2048
 
 
 def test_estimate_params_for_a_llama_config() -> None:
-    assert estimate_params(LLAMA_1B) == (LLAMA_1B_LAYER, 128256 * 2048, 2048)
+    assert estimate_params(LLAMA_1B) == ((LLAMA_1B_LAYER,) * 16, 128256 * 2048, 2048)
     untied = LLAMA_1B | {"tie_word_embeddings": False}
     assert estimate_params(untied)[2] == 2048 + 128256 * 2048
     moe = LLAMA_1B | {"num_local_experts": 8, "moe_intermediate_size": 1024}
     assert estimate_params(moe)[0] == (
-        2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8 * 1024 + 2048 * 8 + 2 * 2048
+        (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8 * 1024 + 2048 * 8 + 2 * 2048,) * 16
     )
 
 

@@ -7,6 +7,7 @@ import pytest
 from exo.master.commands import decide
 from exo.master.placement import (
     MAX_CANDIDATE_NODES,
+    CapFn,
     Placement,
     PlacementError,
     PlacementRequest,
@@ -16,11 +17,21 @@ from exo.master.placement import (
     preview,
     split_layers,
 )
-from exo.models.memory import KV_RESERVE_TOKENS, kv_reserve_per_layer, layer_cost, layers_that_fit
+from exo.models.cards import card_from_config
+from exo.models.memory import (
+    KV_RESERVE_TOKENS,
+    layer_costs,
+    layer_kv,
+    layer_weights,
+    layers_that_fit,
+    rank_kv,
+    rank_memory,
+    rank_weights,
+)
 from exo.shared.types.commands import PlaceInstance
 from exo.shared.types.events import InstanceCreated
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
-from exo.shared.types.model_card import ModelCard, Quantization
+from exo.shared.types.model_card import LayerCache, ModelCard, Quantization
 from exo.shared.types.state import (
     Instance,
     InstanceRank,
@@ -29,6 +40,7 @@ from exo.shared.types.state import (
     NodeTelemetry,
     State,
 )
+from tests.unit.test_cards_per_layer import DEEPSEEK_V3
 
 GB = 10**9
 MB = 10**6
@@ -127,9 +139,9 @@ def progress_of(**fractions: float) -> ProgressFn:
 def test_split_layers(
     n_layers: int, weights: list[int], caps: list[int] | None, expected: list[int] | None
 ) -> None:
-    """`caps` None: every part may take all layers."""
+    """Equal layer sizes; `caps` None: every part may take all layers."""
     limits = [n_layers] * len(weights) if caps is None else caps
-    assert split_layers(n_layers, weights, limits) == expected
+    assert split_layers([1] * n_layers, weights, lambda i, start: limits[i]) == expected
 
 
 def test_layers_split_in_proportion_to_free_ram() -> None:
@@ -137,7 +149,7 @@ def test_layers_split_in_proportion_to_free_ram() -> None:
     state = cluster(node("c", 10), node("a", 30), node("b", 20))
     placement = place(model, state)
     assert layout(placement) == [("a", 0, 15), ("b", 15, 25), ("c", 25, 30)]
-    cost = model.layer_bytes + kv_reserve_per_layer(model, "metal")
+    cost = model.layer_bytes + layer_kv(model, "metal")[0]
     assert [placement.memory_bytes[r.node_id] for r in placement.ranks] == [
         15 * cost + model.embedding_bytes,
         10 * cost,
@@ -279,7 +291,7 @@ def test_more_nodes_than_layers() -> None:
 
 def test_cpu_nodes_count_float32_weights() -> None:
     model = card(n_layers=30, layer_bytes=100 * MB)  # 160M params per layer: 640 MB in float32
-    assert layer_cost(model, "cpu") - kv_reserve_per_layer(model, "cpu") == 640 * MB
+    assert layer_weights(model, "cpu") == (640 * MB,) * 30
     # 10 GB (9 GB free): 3 GB of 4-bit weights fit on Metal, 19.2 GB of float32 not.
     assert layout(place(model, cluster(node("mac", 10)))) == [("mac", 0, 30)]
     with pytest.raises(PlacementError, match=r"needs 19\.9 GB.*has 9\.0 GB free.*cpu"):
@@ -294,10 +306,10 @@ def test_cpu_nodes_count_float32_weights() -> None:
 def test_kv_reserve() -> None:
     model = card(n_layers=30)
     per_token = 2 * 1 * 8 * 30  # kv heads x head dim x layers, keys and values
-    assert kv_reserve_per_layer(model, "metal") == per_token * 2 * KV_RESERVE_TOKENS // 30
-    assert kv_reserve_per_layer(model, "cpu") == per_token * 4 * KV_RESERVE_TOKENS // 30
+    assert layer_kv(model, "metal") == (per_token * 2 * KV_RESERVE_TOKENS // 30,) * 30
+    assert layer_kv(model, "cpu") == (per_token * 4 * KV_RESERVE_TOKENS // 30,) * 30
     short = card(n_layers=30, context_length=1024)
-    assert kv_reserve_per_layer(short, "metal") == per_token * 2 * 1024 // 30
+    assert layer_kv(short, "metal") == (per_token * 2 * 1024 // 30,) * 30
 
 
 @pytest.mark.parametrize(
@@ -317,7 +329,7 @@ def test_layers_that_fit(
 ) -> None:
     """`free` = the rank's embedding/head + `free_layers` layers + `extra` bytes."""
     model = card(layer_bytes=100 * MB, embedding_bytes=50 * MB, head_bytes=50 * MB)
-    cost = layer_cost(model, "metal")
+    cost = layer_costs(model, "metal")[0]
     fixed = (50 * MB if first else 0) + (50 * MB if last else 0)
     free = fixed + free_layers * cost + extra
     assert layers_that_fit(model, "metal", free, first=first, last=last) == expected
@@ -409,10 +421,17 @@ def test_placing_places_what_the_first_preview_shows(
 @pytest.mark.parametrize(
     ("architecture", "min_nodes", "nodes", "refusal"),
     [
-        ("llama", 2, 2, None),  # shardable: split across nodes
+        ("llama", 2, 2, None),  # splits across nodes
         ("qwen3", 1, 2, None),
-        ("gemma3", 1, 1, None),  # mlx-lm loads it whole; one node only
-        ("gemma3", 2, 1, "cannot split m across 2 nodes: its architecture 'gemma3' can only"),
+        ("gemma3", 2, 2, None),  # any mlx-lm model whose blocks form one list
+        ("rwkv7", 1, 1, None),  # mlx-lm loads it whole; one node only
+        (
+            "rwkv7",
+            2,
+            1,
+            "cannot split m across 2 nodes: mlx-lm's 'rwkv7' layers hand on more than their "
+            "hidden states from one layer to the next; it can be served whole on one node",
+        ),
         ("not_a_model", 1, 1, "cannot place m: exo cannot load its architecture 'not_a_model'"),
         ("../llama", 1, 1, "exo cannot load its architecture '../llama'"),
     ],
@@ -429,14 +448,123 @@ def test_placement_refuses_an_architecture_exo_cannot_serve(
     with pytest.raises(PlacementError) as refused:
         preview(card(architecture=architecture), state, request)
     assert refusal in str(refused.value)
-    assert "supported across nodes: llama, mistral, qwen2, qwen3" in str(refused.value)
 
 
 def test_a_model_that_cannot_be_split_is_placed_whole_even_when_a_split_would_rank_first() -> None:
-    # Too big for one 2 GB node but fits split: a llama goes to both nodes, a
-    # gemma3 (whole only) to none, with the reason.
+    # Too big for one 2 GB node but fits split: a llama goes to both nodes, an
+    # rwkv7 (whole only) to none, with the reason.
     big = {"n_layers": 30, "layer_bytes": 100 * MB}
     state = cluster(node("a", 2.5), node("b", 2.5))
     assert len(place(card(**big), state).ranks) == 2
     with pytest.raises(PlacementError):
-        place(card(architecture="gemma3", **big), state)
+        place(card(architecture="rwkv7", **big), state)
+
+
+# --- layers of different sizes ------------------------------------------------------
+
+
+def byte_caps(sizes: list[int], rooms: list[int]) -> CapFn:
+    """Each part holds the consecutive layers whose sizes fit in its room."""
+
+    def cap(part: int, start: int) -> int:
+        used = held = 0
+        for size in sizes[start:]:
+            if used + size > rooms[part]:
+                break
+            used, held = used + size, held + 1
+        return held
+
+    return cap
+
+
+@pytest.mark.parametrize(
+    ("sizes", "weights", "rooms", "expected"),
+    [
+        # Equal sizes: the layer count in proportion, as for a dense model.
+        ([5] * 6, [1, 1], None, [3, 3]),
+        # Three light layers then three heavy ones (33 in all): the first part's
+        # half (16.5) reaches 1.35 into the heavy ones.
+        ([1, 1, 1, 10, 10, 10], [1, 1], None, [4, 2]),
+        ([10, 10, 10, 1, 1, 1], [1, 1], None, [2, 4]),
+        ([1, 1, 1, 10, 10, 10], [2, 1], None, [5, 1]),
+        # A part that cannot hold its share keeps what it holds from its start.
+        ([1, 1, 1, 10, 10, 10], [1, 1], [12, 100], [3, 3]),
+        ([1, 1, 1, 10, 10, 10], [1, 1], [100, 10], [5, 1]),
+        ([1, 1, 1, 10, 10, 10], [1, 1], [12, 20], None),  # 32 of room for 33
+        # The proportional split [2, 0, 2] leaves the middle part the heavy layer
+        # it cannot hold once it takes one: the nearest split that fits instead.
+        ([1, 1, 2, 1], [7, 1, 10], [7, 1, 10], [1, 1, 2]),
+    ],
+)
+def test_split_layers_by_layer_sizes(
+    sizes: list[int], weights: list[int], rooms: list[int] | None, expected: list[int] | None
+) -> None:
+    cap = byte_caps(sizes, rooms or [sum(sizes)] * len(weights))
+    assert split_layers(sizes, weights, cap) == expected
+
+
+def moe_card(**overrides: Any) -> ModelCard:
+    """8 layers: 2 dense of 100 MB, then 6 mixture-of-experts ones of 1 GB."""
+    per_layer = (100 * MB,) * 2 + (1 * GB,) * 6
+    return card(
+        n_layers=8,
+        layer_bytes=-(-sum(per_layer) // 8),
+        per_layer_bytes=per_layer,
+        per_layer_params=tuple(b * 8 // 5 for b in per_layer),
+        **overrides,
+    )
+
+
+def test_moe_layers_split_by_their_bytes_not_their_count() -> None:
+    model = moe_card()
+    state = cluster(node("a", 3.7), node("b", 3.7))  # 3.33 GB free each
+    placement = place(model, state)
+    # Half the bytes each: the dense layers and three MoE layers, then three.
+    assert layout(placement) == [("a", 0, 5), ("b", 5, 8)]
+    for rank in placement.ranks:
+        assert placement.memory_bytes[rank.node_id] <= free_of(state, rank.node_id)
+    # Four layers each, as for equal layers, would give b four 1 GB layers.
+    assert split_layers([1] * 8, [1, 1], lambda i, start: 8) == [4, 4]
+    assert rank_memory(model, "metal", 4, 8) > free_of(state, "b")
+
+
+def free_of(state: State, node_id: str) -> int:
+    telemetry = state.nodes[NodeId(node_id)].telemetry
+    assert telemetry is not None
+    return free_bytes(telemetry)
+
+
+def test_a_deepseek_v3_card_fits_every_node_it_uses() -> None:
+    model = card_from_config(ModelId("deepseek-v3-4bit"), DEEPSEEK_V3)
+    need = rank_memory(model, "metal", 0, model.n_layers)  # about 378 GB
+    state = cluster(node("a", 192), node("b", 128), node("c", 128))
+    placement = place(model, state)
+    assert len(placement.ranks) == 3
+    shares = []
+    for rank in placement.ranks:
+        assert placement.memory_bytes[rank.node_id] <= free_of(state, rank.node_id)
+        shares.append(placement.memory_bytes[rank.node_id] / need)
+    # a, with the three dense layers, holds more layers than its RAM share of 61.
+    [a, *_] = placement.ranks
+    assert a.end_layer - a.start_layer > round(61 * 192 / 448)
+    assert shares[0] == pytest.approx(192 / 448, abs=0.02)
+
+
+def test_previews_split_each_nodes_memory_into_weights_and_kv() -> None:
+    # Two nodes: a holds the sliding-window layers, b the full-attention ones.
+    sliding = LayerCache(kind="sliding", token_elements=16, window=128)
+    full = LayerCache(kind="attention", token_elements=16)
+    model = card(n_layers=4, layer_caches=(sliding, sliding, full, full))
+    [placement, *_] = preview(model, cluster(node("a", 0.3), node("b", 0.3)))
+    assert layout(placement) == [("a", 0, 2), ("b", 2, 4)]
+    assert placement.kv_bytes == {"a": 2 * 128 * 16 * 2, "b": 2 * KV_RESERVE_TOKENS * 16 * 2}
+    assert placement.weight_bytes == {
+        "a": 2 * model.layer_bytes + model.embedding_bytes,
+        "b": 2 * model.layer_bytes + model.head_bytes,
+    }
+    for n in (NodeId("a"), NodeId("b")):
+        assert placement.memory_bytes[n] == placement.weight_bytes[n] + placement.kv_bytes[n]
+        rank = next(r for r in placement.ranks if r.node_id == n)
+        assert placement.kv_bytes[n] == rank_kv(model, "metal", rank.start_layer, rank.end_layer)
+        weights = rank_weights(model, "metal", rank.start_layer, rank.end_layer)
+        assert placement.weight_bytes[n] == weights

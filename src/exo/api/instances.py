@@ -190,6 +190,8 @@ async def instance_previews(
     max_nodes: int | None = None,
 ) -> dict[str, Any]:
     """Every feasible placement of a model on the cluster, best first, or why none fits.
+    Each says per node the RAM its rank needs (`memory_bytes`), split into weights
+    as loaded (`weight_bytes`) and the cache reserve of its layers (`kv_bytes`).
 
     Reads the state only: a hub model's card serves the preview here and reaches
     the cluster when the model is placed (a GET changes nothing)."""

@@ -4,22 +4,34 @@ Candidates are the nodes that have reported telemetry, do not serve the model
 already (a node holds one rank of a model at most) and can hold at least one
 layer; every subset of them (all nodes reach each other for now) with
 `min_nodes`..`max_nodes` members is tried. A set is feasible when each node's
-free RAM holds what its rank needs (`exo.models.memory.rank_memory`). Feasible
-sets are ranked by download progress, then free RAM, then size, then node ids;
+free RAM holds what its rank needs (`exo.models.memory.rank_memory`), and its
+layers are split in proportion to the nodes' free RAM by the layers' own sizes
+(a mixture-of-experts layer weighs more than a dense one). Feasible sets are
+ranked by download progress, then free RAM, then size, then node ids;
 `preview` returns all of them, best first, and `place` the best: what
 `POST /place_instance` places is what the first preview shows.
 
 "Free" RAM here is a node's available RAM minus a safety margin of its total RAM.
 """
 
+import math
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from itertools import combinations
+from fractions import Fraction
+from itertools import accumulate, combinations, pairwise
 
 from pydantic import Field
 
-from exo.models.memory import kv_reserve_tokens, layer_cost, layers_that_fit, rank_memory
+from exo.models.memory import (
+    kv_reserve_tokens,
+    layer_costs,
+    layers_that_fit,
+    rank_kv,
+    rank_memory,
+    rank_weights,
+)
 from exo.models.weight_files import shard_files
-from exo.shared.architectures import SHARDABLE_ARCHITECTURES, loadable_whole, shardable
+from exo.shared.architectures import loadable_whole, pipeline_refusal
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import ModelId, NodeId
 from exo.shared.types.model_card import ModelCard
@@ -31,6 +43,8 @@ from exo.shared.units import human_bytes
 SAFETY_MARGIN_PERCENT = 10
 # Only the nodes with the most free RAM are considered: 2^8 - 1 subsets at most.
 MAX_CANDIDATE_NODES = 8
+# A backend that keeps weights as stored and a float16 cache.
+_AS_STORED: MlxBackend = "metal"
 
 
 class PlacementError(ValueError):
@@ -45,8 +59,12 @@ class PlacementRequest(FrozenModel):
 class Placement(FrozenModel):
     model_id: ModelId
     ranks: tuple[InstanceRank, ...]  # in pipeline order; layer ranges cover [0, n_layers)
-    # RAM each rank's node needs: weights as loaded on its backend plus the KV reserve.
+    # RAM each rank's node needs: `weight_bytes` + `kv_bytes`.
     memory_bytes: dict[NodeId, int]
+    # Its layers, embedding (first rank) and head (last) as loaded on its backend.
+    weight_bytes: dict[NodeId, int]
+    # Its layers' cache reserve: KV (sliding windows capped), recurrent states.
+    kv_bytes: dict[NodeId, int]
     download_progress: float  # sum over the ranks' nodes of their fractions (0..1)
     free_bytes: int  # the nodes' free RAM together
 
@@ -61,61 +79,123 @@ def free_bytes(telemetry: NodeTelemetry) -> int:
     return max(0, telemetry.ram_available - margin)
 
 
-def _largest_remainder(n: int, weights: Sequence[int]) -> list[int]:
-    """`n` split in proportion to `weights`; leftover units go to the largest
-    remainders, ties to the larger weight, then to the earlier position."""
-    total = sum(weights)
-    if total <= 0:
-        weights, total = [1] * len(weights), len(weights)
-    counts = [n * w // total for w in weights]
-    remainders = [n * w % total for w in weights]
-    order = sorted(range(len(weights)), key=lambda i: (-remainders[i], -weights[i], i))
-    for i in order[: n - sum(counts)]:
+# The most layers part `i` of a split holds when its layers begin at `start`.
+CapFn = Callable[[int, int], int]
+
+
+def _proportional(sizes: Sequence[int], weights: Sequence[int]) -> list[int]:
+    """Consecutive layer counts whose summed `sizes` are in proportion to `weights`.
+
+    Part i's share of the total size spans a fractional number of layers; each
+    part gets that rounded down and the leftover layers go to the largest
+    remainders, ties to the larger weight, then to the earlier part. With equal
+    sizes this is the largest-remainder split of the layer count.
+    """
+    k = len(weights)
+    if not sizes:
+        return [0] * k
+    if sum(weights) <= 0:
+        weights = [1] * k
+    sizes = [max(1, size) for size in sizes]
+    bounds = list(accumulate(sizes, initial=0))
+
+    def position(target: Fraction) -> Fraction:
+        """How many layers (fractionally) it takes to reach `target` bytes."""
+        j = min(bisect_right(bounds, target) - 1, len(sizes) - 1)
+        return j + (target - bounds[j]) / sizes[j]
+
+    whole = sum(weights)
+    positions = [position(Fraction(bounds[-1] * c, whole)) for c in accumulate(weights, initial=0)]
+    shares = [b - a for a, b in pairwise(positions)]
+    counts = [math.floor(share) for share in shares]
+    order = sorted(range(k), key=lambda i: (counts[i] - shares[i], -weights[i], i))
+    for i in order[: len(sizes) - sum(counts)]:
         counts[i] += 1
     return counts
 
 
-def split_layers(n_layers: int, weights: Sequence[int], caps: Sequence[int]) -> list[int] | None:
-    """Layer counts in proportion to `weights` (largest remainder), each at least 1
-    and at most its cap; None when impossible (fewer layers than parts, or caps
-    too small).
+def _starts(counts: Sequence[int]) -> list[int]:
+    return list(accumulate(counts, initial=0))[:-1]
 
-    A part whose proportional share exceeds its cap gets its cap and the rest is
-    split again among the others, so with caps that are not binding the result
-    is the plain proportional split.
-    """
-    k = len(weights)
-    limits = list(caps)
-    if (
-        k == 0
-        or n_layers < k
-        or min(limits) < 1
-        or sum(min(c, n_layers) for c in limits) < n_layers
-    ):
+
+def _fits(counts: Sequence[int], n_layers: int, cap: CapFn) -> bool:
+    return sum(counts) == n_layers and all(
+        1 <= count <= cap(i, start)
+        for i, (count, start) in enumerate(zip(counts, _starts(counts), strict=True))
+    )
+
+
+def _closest_fit(n_layers: int, target: Sequence[int], cap: CapFn) -> list[int] | None:
+    """The split that fits with each part's end nearest its end under the
+    `target` counts (the earlier parts first); None when no split fits."""
+    k = len(target)
+    # finishes[i][s]: parts i.. can hold layers [s, n_layers) between them.
+    finishes = [[False] * (n_layers + 1) for _ in range(k)] + [[False] * n_layers + [True]]
+    most = [[min(cap(i, s), n_layers - s) for s in range(n_layers)] for i in range(k)]
+    for i in reversed(range(k)):
+        after = list(accumulate(finishes[i + 1], initial=0))  # after[e]: finishes before e
+        for s in range(n_layers):
+            finishes[i][s] = after[s + most[i][s] + 1] > after[s + 1]
+    if not finishes[0][0]:
         return None
-    counts = [0] * k
-    active = list(range(k))
-    left = n_layers
-    while True:
-        shares = _largest_remainder(left, [weights[i] for i in active])
-        over = [i for i, share in zip(active, shares, strict=True) if share > limits[i]]
+    counts: list[int] = []
+    start = 0
+    for i, goal in enumerate(accumulate(target)):
+        ends = range(start + 1, start + most[i][start] + 1)
+        end = min((e for e in ends if finishes[i + 1][e]), key=lambda e: (abs(e - goal), e))
+        counts.append(end - start)
+        start = end
+    return counts
+
+
+def split_layers(sizes: Sequence[int], weights: Sequence[int], cap: CapFn) -> list[int] | None:
+    """Consecutive layer counts, one part per weight, each at least 1 layer and
+    at most `cap(i, start)`, with the parts' summed layer `sizes` in proportion
+    to `weights` (`_proportional`); None when no split fits.
+
+    A part whose share exceeds its cap gets its cap and the other parts split
+    the remaining layers again, so with caps that are not binding the result is
+    the plain proportional split. A cap depends on where the part's layers
+    start, which moves as the others' counts change, so the split is checked
+    at the end; if it does not fit, the split that fits nearest the plain
+    proportional one is taken (`_closest_fit`).
+    """
+    n_layers, k = len(sizes), len(weights)
+    if k == 0 or n_layers < k:
+        return None
+    target = _proportional(sizes, weights)
+    counts = list(target)
+    fixed: set[int] = set()
+    for _ in range(2 * k):
+        over = [i for i, start in enumerate(_starts(counts)) if counts[i] > cap(i, start)]
         if not over:
-            for i, share in zip(active, shares, strict=True):
-                counts[i] = share
             break
-        for i in over:
-            counts[i] = limits[i]
-            left -= limits[i]
-        active = [i for i in active if i not in over]
+        for i, start in enumerate(_starts(counts)):
+            if i in over:
+                counts[i] = cap(i, start)
+                fixed.add(i)
+        active = [i for i in range(k) if i not in fixed]
         if not active:
-            return None
+            break
+        held = {
+            layer
+            for i, start in enumerate(_starts(counts))
+            if i in fixed
+            for layer in range(start, start + counts[i])
+        }
+        shares = _proportional(
+            [size for layer, size in enumerate(sizes) if layer not in held],
+            [weights[i] for i in active],
+        )
+        for i, share in zip(active, shares, strict=True):
+            counts[i] = share
     for i in range(k):
         if counts[i] == 0:
             # Take a layer from the part with the most (the later one on ties).
             donor = max(range(k), key=lambda j: (counts[j], j))
             counts[donor] -= 1
             counts[i] = 1
-    return counts
+    return counts if _fits(counts, n_layers, cap) else _closest_fit(n_layers, target, cap)
 
 
 def _order(nodes: Sequence[tuple[NodeId, NodeTelemetry]]) -> list[tuple[NodeId, NodeTelemetry]]:
@@ -134,25 +214,39 @@ def _place_on(
 ) -> Placement | None:
     k = len(nodes)
     budgets = [free_bytes(t) for _, t in nodes]
-    caps = [
-        layers_that_fit(card, t.mlx_backend, budget, first=i == 0, last=i == k - 1)
-        for i, ((_, t), budget) in enumerate(zip(nodes, budgets, strict=True))
-    ]
-    counts = split_layers(card.n_layers, budgets, caps)
+    backends: list[MlxBackend] = [t.mlx_backend for _, t in nodes]
+    costs = {backend: layer_costs(card, backend) for backend in dict.fromkeys(backends)}
+    totals = {backend: list(accumulate(c, initial=0)) for backend, c in costs.items()}
+    # Proportions by the layers' RAM on the set's backend; a set that mixes
+    # backends weighs them as stored.
+    sizes = costs[backends[0]] if len(costs) == 1 else layer_costs(card, _AS_STORED)
+
+    def cap(i: int, start: int) -> int:
+        backend = backends[i]
+        first, last = i == 0, i == k - 1
+        return layers_that_fit(
+            card, backend, budgets[i], first=first, last=last, start=start, totals=totals[backend]
+        )
+
+    counts = split_layers(sizes, budgets, cap)
     if counts is None:
         return None
     ranks: list[InstanceRank] = []
-    memory: dict[NodeId, int] = {}
+    weights: dict[NodeId, int] = {}
+    kv: dict[NodeId, int] = {}
     start = 0
     for (node_id, telemetry), count in zip(nodes, counts, strict=True):
         end = start + count
         ranks.append(InstanceRank(node_id=node_id, start_layer=start, end_layer=end))
-        memory[node_id] = rank_memory(card, telemetry.mlx_backend, start, end)
+        weights[node_id] = rank_weights(card, telemetry.mlx_backend, start, end)
+        kv[node_id] = rank_kv(card, telemetry.mlx_backend, start, end)
         start = end
     return Placement(
         model_id=card.model_id,
         ranks=tuple(ranks),
-        memory_bytes=memory,
+        memory_bytes={node_id: weights[node_id] + kv[node_id] for node_id in weights},
+        weight_bytes=weights,
+        kv_bytes=kv,
         download_progress=sum(
             min(1.0, max(0.0, progress(r.node_id, r.start_layer, r.end_layer))) for r in ranks
         ),
@@ -237,18 +331,18 @@ def _servable(card: ModelCard, request: PlacementRequest) -> PlacementRequest:
     raises `PlacementError` for one it cannot load at all, or cannot split
     when `request` needs several nodes."""
     arch = card.architecture
-    split = ", ".join(sorted(SHARDABLE_ARCHITECTURES))
     if not loadable_whole(arch):
         raise PlacementError(
             f"cannot place {card.model_id}: exo cannot load its architecture {arch!r} "
-            f"(mlx-lm has no model for it); supported across nodes: {split}"
+            "(mlx-lm has no model for it)"
         )
-    if shardable(arch):
+    refusal = pipeline_refusal(arch)
+    if refusal is None:
         return request
     if request.min_nodes > 1:
         raise PlacementError(
-            f"cannot split {card.model_id} across {request.min_nodes} nodes: its architecture "
-            f"{arch!r} can only be served whole on one node; supported across nodes: {split}"
+            f"cannot split {card.model_id} across {request.min_nodes} nodes: {refusal}; "
+            "it can be served whole on one node"
         )
     return request.model_copy(update={"max_nodes": 1})
 
@@ -301,9 +395,9 @@ def preview(
             f"{len(nodes)} other node(s) can take one (min_nodes={request.min_nodes}); "
             "delete an instance first"
         )
-    eligible = [
-        (n, t) for n, t in nodes if free_bytes(t) >= max(1, layer_cost(card, t.mlx_backend))
-    ]
+    backends: set[MlxBackend] = {t.mlx_backend for _, t in nodes}
+    smallest_layer = {b: min(layer_costs(card, b), default=0) for b in backends}
+    eligible = [(n, t) for n, t in nodes if free_bytes(t) >= max(1, smallest_layer[t.mlx_backend])]
     candidates = _order(eligible)[:MAX_CANDIDATE_NODES]
     max_nodes = min(request.max_nodes or len(candidates), len(candidates), card.n_layers)
     placements: list[Placement] = []

@@ -8,12 +8,21 @@ is in `exo.models.memory`, which files hold which layers in
 `exo.models.weight_files`.
 """
 
+import itertools
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from exo.models.layer_estimates import (
+    ATTENTION_FREE,
+    FAMILY_DEFAULTS,
+    Dims,
+    Layer,
+    estimate_layers,
+    nemotron_pattern,
+)
 from exo.models.safetensors_header import (
     DTYPE_BYTES,
     FLOAT_DTYPES,
@@ -21,7 +30,8 @@ from exo.models.safetensors_header import (
     TensorInfo,
     read_safetensors_header,
 )
-from exo.models.weight_files import is_metadata_file, tensor_part, weight_files_from_map
+from exo.models.weight_files import is_metadata_file, weight_files_from_map
+from exo.shared.tensor_names import tensor_part
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import ModelId
 from exo.shared.types.model_card import (
@@ -49,9 +59,11 @@ class ModelCardError(ValueError):
 
 
 def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Vision-language configs nest the language model's settings in `text_config`."""
+    """Vision-language configs nest the language model's settings in `text_config`;
+    keys neither gives take the defaults mlx-lm fills in for the model type."""
     nested = config.get("text_config")
-    return {**config, **nested} if isinstance(nested, dict) else dict(config)
+    defaults = FAMILY_DEFAULTS.get(str(config.get("model_type")), {})
+    return {**defaults, **config, **nested} if isinstance(nested, dict) else {**defaults, **config}
 
 
 def _first_int(config: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
@@ -109,22 +121,54 @@ class _Shape(FrozenModel):
 
 
 def _shape(config: Mapping[str, Any]) -> _Shape:
+    """The model type is the top-level one, which mlx-lm loads the model by (a
+    vision-language config's `text_config` has a type of its own)."""
     text = _text_config(config)
+    architecture = str(config.get("model_type") or text.get("model_type", "unknown"))
     hidden = _first_int(text, "hidden_size", "n_embd", "d_model")
-    n_heads = _first_int(text, "num_attention_heads", "n_head", "n_heads")
+    if architecture in ATTENTION_FREE:
+        n_heads = n_kv_heads = head_dim = 0
+    else:
+        n_heads = _first_int(text, "num_attention_heads", "n_head", "n_heads")
+        n_kv_heads = _first_int(text, "num_key_value_heads", "n_kv_heads", default=n_heads)
+        head_dim = _first_int(text, "head_dim", default=hidden // n_heads)
+    pattern = nemotron_pattern(text)  # nemotron_h may give its layers as a pattern only
     return _Shape(
-        architecture=str(text.get("model_type", "unknown")),
-        n_layers=_first_int(text, "num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+        architecture=architecture,
+        n_layers=_first_int(
+            text,
+            "num_hidden_layers",
+            "n_layer",
+            "num_layers",
+            "n_layers",
+            default=len(pattern) or None,
+        ),
         hidden_size=hidden,
         n_heads=n_heads,
-        n_kv_heads=_first_int(text, "num_key_value_heads", "n_kv_heads", default=n_heads),
-        head_dim=_first_int(text, "head_dim", default=hidden // n_heads),
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
         context_length=context_length_from_config(config),
         vocab_size=_first_int(text, "vocab_size"),
         tie_word_embeddings=bool(
             config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         ),
     )
+
+
+def _layers(config: Mapping[str, Any]) -> Sequence[Layer]:
+    """Each layer's parameters and cache, by the family's rules (`exo.models.layer_estimates`)."""
+    shape = _shape(config)
+    dims = Dims(
+        n_layers=shape.n_layers,
+        hidden=shape.hidden_size,
+        n_heads=shape.n_heads,
+        n_kv_heads=shape.n_kv_heads,
+        head_dim=shape.head_dim,
+    )
+    layers = estimate_layers(config, _text_config(config), dims)
+    if len(layers) != shape.n_layers:
+        raise ModelCardError(f"config.json describes {len(layers)} layers but has {shape.n_layers}")
+    return layers
 
 
 def _config_dtype_bytes(config: Mapping[str, Any]) -> int | None:
@@ -251,37 +295,24 @@ def card_from_folder(model_id: ModelId, path: Path) -> ModelCard:
         quantization=_default_quantization(config),
         dtype_bytes=dtype_bytes,
         size_source="safetensors_headers",
+        per_layer_bytes=tuple(layer_bytes),
+        per_layer_params=tuple(layer_params),
+        layer_caches=tuple(layer.cache for layer in _layers(config)),
     )
 
 
-def estimate_params(config: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(per-layer, embedding, head) parameter counts of a llama-family decoder
-    from its config: attention (q, k, v, o), a gated MLP (dense, or routed and
-    shared experts with a router for MoE configs) and two norms per layer; the
-    token embedding; the final norm plus the output head unless tied.
-
-    An estimate: biases, and attention variants (MLA, linear attention, SSM)
-    that other architectures use, are not modelled.
-    """
+def estimate_params(config: Mapping[str, Any]) -> tuple[tuple[int, ...], int, int]:
+    """(each layer's, embedding, head) parameter counts from a config: the layers
+    as the family's mlx-lm model builds them (`exo.models.layer_estimates`: dense
+    and MoE layers, attention and recurrent mixers); the token embedding; the
+    final norm plus the output head unless tied. Small parts some families add
+    (biases, norms) outside the modelled families are not counted."""
     shape = _shape(config)
-    text = _text_config(config)
-    hidden, head_dim = shape.hidden_size, shape.head_dim
-    attention = 2 * hidden * shape.n_heads * head_dim + 2 * hidden * shape.n_kv_heads * head_dim
-    n_experts = _first_int(text, "num_local_experts", "num_experts", "n_routed_experts", default=0)
-    if n_experts:
-        expert_size = _first_int(
-            text, "moe_intermediate_size", "intermediate_size", "ffn_hidden_size"
-        )
-        n_shared = _first_int(text, "n_shared_experts", "num_shared_experts", default=0)
-        shared_size = _first_int(text, "shared_expert_intermediate_size", default=0) or (
-            n_shared * expert_size
-        )
-        mlp = 3 * hidden * (n_experts * expert_size + shared_size) + hidden * n_experts
-    else:
-        mlp = 3 * hidden * _first_int(text, "intermediate_size", "ffn_hidden_size", "n_inner")
+    hidden = shape.hidden_size
+    layers = tuple(layer.params for layer in _layers(config))
     embedding = shape.vocab_size * hidden
     head = hidden + (0 if shape.tie_word_embeddings else shape.vocab_size * hidden)
-    return attention + mlp + 2 * hidden, embedding, head
+    return layers, embedding, head
 
 
 def _stored_bytes_per_param(quantization: Quantization | None, dtype_bytes: int) -> float:
@@ -304,7 +335,7 @@ def card_from_config(
 
     Sizes are estimates. Parameter counts come from the config (`estimate_params`).
     Stored bytes are the index's `metadata.total_size` (exact total) split between
-    layers, embedding and head in proportion to their parameter counts; without
+    the layers, embedding and head in proportion to their parameter counts; without
     it, the sum of `file_sizes` of the weight files; without those, the parameter
     counts times the bytes per parameter the quantization (or dtype) implies.
     Which file holds which layer comes from the index's `weight_map`; without an
@@ -315,7 +346,7 @@ def card_from_config(
     layer_params, embedding_params, head_params = estimate_params(config)
     quantization = _default_quantization(config)
     dtype_bytes = _config_dtype_bytes(config) or _FLOAT16_BYTES
-    all_params = layer_params * shape.n_layers + embedding_params + head_params
+    all_params = sum(layer_params) + embedding_params + head_params
 
     if index is not None:
         weight_map = _weight_map(index)
@@ -347,7 +378,7 @@ def card_from_config(
         return math.ceil(total * params / all_params)
 
     embedding_bytes, head_bytes = share(embedding_params), share(head_params)
-    layer_bytes = max(0, math.ceil((total - embedding_bytes - head_bytes) / shape.n_layers))
+    layers_total = max(0, total - embedding_bytes - head_bytes)
     weight_names = tuple(f.name for f in weight_files)
     extra = [*([INDEX_FILE] if index is not None else []), *metadata_files]
     others = tuple(sorted({name for name in extra if name not in weight_names}))
@@ -357,13 +388,25 @@ def card_from_config(
         files=(*weight_names, *others),
         weight_files=weight_files,
         total_bytes=total,
-        layer_bytes=layer_bytes,
+        layer_bytes=-(-layers_total // shape.n_layers),
         embedding_bytes=embedding_bytes,
         head_bytes=head_bytes,
-        layer_params=layer_params,
+        layer_params=-(-sum(layer_params) // shape.n_layers),
         embedding_params=embedding_params,
         head_params=head_params,
         quantization=quantization,
         dtype_bytes=dtype_bytes,
         size_source=source,
+        per_layer_bytes=_split_by_params(layers_total, layer_params),
+        per_layer_params=layer_params,
+        layer_caches=tuple(layer.cache for layer in _layers(config)),
     )
+
+
+def _split_by_params(total: int, params: Sequence[int]) -> tuple[int, ...]:
+    """`total` bytes split between layers in proportion to their parameters,
+    summing to `total` exactly (equally when no layer has parameters)."""
+    weights = list(params) if sum(params) > 0 else [1] * len(params)
+    whole = sum(weights)
+    bounds = [-(-total * done // whole) for done in itertools.accumulate(weights, initial=0)]
+    return tuple(b - a for a, b in itertools.pairwise(bounds))

@@ -2,12 +2,21 @@
 
 Memory depends on the node's MLX backend: the CPU runner dequantizes quantized
 weights and casts every weight to float32 at load (`exo.engine.mlx.load`),
-Metal and CUDA keep the weights as stored. A rank also needs room for the KV
-cache of its layers: a reserve of `KV_RESERVE_TOKENS` tokens (or the model's
-context, if shorter). The prefix cache budget is separate.
+Metal and CUDA keep the weights as stored. Layers differ (dense and
+mixture-of-experts layers, attention and recurrent ones), so every sum here
+goes layer by layer. A rank also needs room for the cache of its layers: the KV
+of a reserve of `KV_RESERVE_TOKENS` tokens (or the model's context, if shorter;
+a sliding-window layer keeps at most its window) and each recurrent layer's
+constant-size state. The cache is float32 on the CPU backend, float16
+otherwise, except recurrent states the models keep in float32 everywhere. The
+prefix cache budget is separate.
 """
 
-from exo.shared.types.model_card import ModelCard
+import itertools
+from bisect import bisect_right
+from collections.abc import Sequence
+
+from exo.shared.types.model_card import LayerCache, ModelCard
 from exo.shared.types.state import MlxBackend
 
 KV_RESERVE_TOKENS = 8192
@@ -19,9 +28,38 @@ def _loaded_bytes(stored_bytes: int, params: int, backend: MlxBackend) -> int:
     return params * _FLOAT32_BYTES if backend == "cpu" else stored_bytes
 
 
-def memory_per_layer(card: ModelCard, backend: MlxBackend) -> int:
-    """Bytes one layer takes in RAM once loaded on `backend` (weights only)."""
-    return _loaded_bytes(card.layer_bytes, card.layer_params, backend)
+def _cache_dtype_bytes(backend: MlxBackend) -> int:
+    return _FLOAT32_BYTES if backend == "cpu" else _FLOAT16_BYTES
+
+
+def layer_weights(card: ModelCard, backend: MlxBackend) -> tuple[int, ...]:
+    """Bytes each layer's weights take in RAM once loaded on `backend`."""
+    return tuple(
+        _loaded_bytes(stored, params, backend)
+        for stored, params in zip(card.per_layer_bytes, card.per_layer_params, strict=True)
+    )
+
+
+def _cache_reserve(cache: LayerCache, tokens: int, dtype_bytes: int) -> int:
+    kept = tokens if cache.window is None else min(tokens, cache.window)
+    return (
+        kept * cache.token_elements * dtype_bytes
+        + cache.state_elements * dtype_bytes
+        + cache.float32_state_elements * _FLOAT32_BYTES
+    )
+
+
+def layer_kv(card: ModelCard, backend: MlxBackend) -> tuple[int, ...]:
+    """Bytes each layer's cache reserve takes on `backend`."""
+    tokens, dtype_bytes = kv_reserve_tokens(card), _cache_dtype_bytes(backend)
+    return tuple(_cache_reserve(cache, tokens, dtype_bytes) for cache in card.layer_caches)
+
+
+def layer_costs(card: ModelCard, backend: MlxBackend) -> tuple[int, ...]:
+    """RAM each layer needs on `backend`: its weights and its cache reserve."""
+    return tuple(
+        w + kv for w, kv in zip(layer_weights(card, backend), layer_kv(card, backend), strict=True)
+    )
 
 
 def memory_other(
@@ -42,10 +80,9 @@ def memory_other(
 
 
 def kv_bytes_per_token(card: ModelCard, backend: MlxBackend) -> int:
-    """KV cache bytes per token over all layers: keys and values of every KV head,
-    float32 on the CPU backend, float16 otherwise."""
-    dtype = _FLOAT32_BYTES if backend == "cpu" else _FLOAT16_BYTES
-    return 2 * card.n_kv_heads * card.head_dim * card.n_layers * dtype
+    """Cache bytes one more token adds over all layers while the context is
+    shorter than every sliding window (recurrent states do not grow)."""
+    return sum(cache.token_elements for cache in card.layer_caches) * _cache_dtype_bytes(backend)
 
 
 def kv_reserve_tokens(card: ModelCard) -> int:
@@ -53,31 +90,41 @@ def kv_reserve_tokens(card: ModelCard) -> int:
     return min(card.context_length, KV_RESERVE_TOKENS)
 
 
-def kv_reserve_per_layer(card: ModelCard, backend: MlxBackend) -> int:
-    return -(-kv_bytes_per_token(card, backend) * kv_reserve_tokens(card) // card.n_layers)
+def rank_weights(card: ModelCard, backend: MlxBackend, start: int, end: int) -> int:
+    """Weights a rank serving layers [start, end) loads on `backend`: its layers,
+    plus the embedding (first rank) and head (last)."""
+    first, last = start == 0, end == card.n_layers
+    layers = sum(layer_weights(card, backend)[start:end])
+    return layers + memory_other(card, backend, first=first, last=last)
 
 
-def layer_cost(card: ModelCard, backend: MlxBackend) -> int:
-    """RAM one layer needs on `backend`: its weights and its KV reserve."""
-    return memory_per_layer(card, backend) + kv_reserve_per_layer(card, backend)
+def rank_kv(card: ModelCard, backend: MlxBackend, start: int, end: int) -> int:
+    """The cache reserve of layers [start, end) on `backend`."""
+    return sum(layer_kv(card, backend)[start:end])
 
 
 def rank_memory(card: ModelCard, backend: MlxBackend, start: int, end: int) -> int:
-    """RAM a rank serving layers [start, end) needs on `backend`: the layers'
-    weights and KV reserve, plus the embedding (first rank) and head (last)."""
-    first, last = start == 0, end == card.n_layers
-    return (end - start) * layer_cost(card, backend) + memory_other(
-        card, backend, first=first, last=last
-    )
+    """RAM a rank serving layers [start, end) needs on `backend`: weights and cache reserve."""
+    return rank_weights(card, backend, start, end) + rank_kv(card, backend, start, end)
 
 
 def layers_that_fit(
-    card: ModelCard, backend: MlxBackend, free: int, *, first: bool, last: bool
+    card: ModelCard,
+    backend: MlxBackend,
+    free: int,
+    *,
+    first: bool,
+    last: bool,
+    start: int = 0,
+    totals: Sequence[int] | None = None,
 ) -> int:
-    """How many layers a rank with `free` bytes of RAM on `backend` holds next to
-    its non-layer weights (the embedding when `first`, the head when `last`)."""
+    """How many consecutive layers from `start` a rank with `free` bytes of RAM on
+    `backend` holds next to its non-layer weights (the embedding when `first`,
+    the head when `last`). `totals`: the running totals of
+    `layer_costs(card, backend)` from 0, when the caller has them already."""
     room = free - memory_other(card, backend, first=first, last=last)
     if room < 0:
         return 0
-    cost = layer_cost(card, backend)
-    return card.n_layers if cost == 0 else min(card.n_layers, room // cost)
+    if totals is None:
+        totals = list(itertools.accumulate(layer_costs(card, backend), initial=0))
+    return bisect_right(totals, totals[start] + room) - 1 - start

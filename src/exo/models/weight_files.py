@@ -1,37 +1,15 @@
 """Which weight files hold which parts of a model, and which files a node
 serving a range of layers needs."""
 
-import re
 from collections.abc import Mapping
-from typing import Literal
 
+from exo.shared.tensor_names import tensor_part
 from exo.shared.types.model_card import ModelCard, WeightFile
 
 # Files of a model folder that a node never needs: exo's import marker and
 # weights in other formats than safetensors.
 _NOT_NEEDED_NAMES = {"exo_import.json"}
 _NOT_NEEDED_SUFFIXES = (".gguf", ".bin", ".pt", ".pth", ".h5", ".onnx", ".msgpack", ".partial")
-
-# `model.layers.N.` and the prefixes vision-language and SSM models put before it.
-_LAYER_TENSOR = re.compile(
-    r"^(?:model\.|language_model\.model\.|model\.language_model\.|backbone\.)?layers\.(\d+)\."
-)
-# Non-layer tensors used after the last layer: final norm and output head.
-_HEAD_TENSOR = re.compile(r"(?:^|\.)(?:norm|norm_f|final_layernorm|ln_f|lm_head|output)(?:\.|$)")
-
-ModelPart = int | Literal["embedding", "head", "unused"]
-
-
-def tensor_part(name: str, n_layers: int) -> ModelPart:
-    """The layer index, or the non-layer part, a tensor belongs to. Layers past
-    `n_layers` (e.g. multi-token-prediction layers) are not loaded: "unused"."""
-    match = _LAYER_TENSOR.match(name)
-    if match:
-        layer = int(match.group(1))
-        return layer if layer < n_layers else "unused"
-    if "embed" not in name and _HEAD_TENSOR.search(name):
-        return "head"
-    return "embedding"
 
 
 def weight_files_from_map(

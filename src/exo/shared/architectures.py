@@ -1,18 +1,18 @@
 """Which model architectures (config.json's `model_type`) exo can serve: whole
-on one node, any that mlx-lm can load; split across nodes (pipeline ranks),
-the ones `engine/mlx/shard.py` can slice.
+on one node, any that mlx-lm can load; split into pipeline ranks, any whose
+mlx-lm model keeps its blocks in one list that its forward pass runs through,
+each handing on only the hidden states (`engine/mlx/shard.py` runs the model's
+own forward pass over a rank's part of that list).
 
 Placement checks a card against these before any node downloads a byte. The
-node process never imports MLX, so mlx-lm's model modules are looked up on
-disk, not imported.
+node process never imports MLX, so mlx-lm's model modules are read from disk
+(their syntax tree), not imported; there is no hand-kept list.
 """
 
 import ast
 import functools
 import importlib.util
 from pathlib import Path
-
-SHARDABLE_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 @functools.cache
@@ -42,17 +42,141 @@ def _mlx_lm_remapping() -> dict[str, str]:
     return {}
 
 
-def loadable_whole(architecture: str) -> bool:
-    """mlx-lm has a model for `architecture` (so one node can load it whole)."""
+def _module_path(architecture: str) -> Path | None:
     package = _mlx_lm_dir()
     if package is None:
-        return False
+        return None
     module = _mlx_lm_remapping().get(architecture, architecture)
     if not module or "/" in module or module.startswith("."):
-        return False
-    return (package / "models" / f"{module}.py").is_file()
+        return None
+    path = package / "models" / f"{module}.py"
+    return path if path.is_file() else None
 
 
-def shardable(architecture: str) -> bool:
-    """exo can split `architecture` into pipeline ranks."""
-    return architecture in SHARDABLE_ARCHITECTURES
+def loadable_whole(architecture: str) -> bool:
+    """mlx-lm has a model for `architecture` (so one node can load it whole)."""
+    return _module_path(architecture) is not None
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def _find_class(path: Path, name: str, depth: int = 0) -> tuple[Path, ast.ClassDef] | None:
+    """Class `name` of the module at `path`, following `from .x import y as name`."""
+    tree = _tree(path)
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return path, node
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module and depth < 4:
+            for alias in node.names:
+                if (alias.asname or alias.name) == name:
+                    source = path.parent / f"{node.module}.py"
+                    if source.is_file():
+                        return _find_class(source, alias.name, depth + 1)
+    return None
+
+
+def _layers_definition(path: Path, name: str, depth: int = 0) -> ast.AST | None:
+    """What class `name` (or a base class) says `layers` is: the property's return
+    value, or what `__init__` assigns to `self.layers`."""
+    found = _find_class(path, name)
+    if found is None:
+        return None
+    path, cls = found
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "layers":
+            returns = [r.value for r in ast.walk(node) if isinstance(r, ast.Return) and r.value]
+            return returns[0] if returns else None
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Assign) and any(
+            ast.unparse(t) == "self.layers" for t in node.targets
+        ):
+            return node.value
+    for base in cls.bases:
+        if isinstance(base, ast.Name) and depth < 4:
+            value = _layers_definition(path, base.id, depth + 1)
+            if value is not None:
+                return value
+    return None
+
+
+def _is_attribute_chain(node: ast.AST) -> bool:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _related_modules(path: Path, depth: int = 2) -> set[Path]:
+    """The module and the model modules it imports (`from . import x`, `from .x import y`)."""
+    found = {path}
+    if depth == 0:
+        return found
+    for node in _tree(path).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [node.module] if node.module else [a.name for a in node.names]
+            for name in names:
+                source = path.parent / f"{name}.py"
+                if source.is_file() and source not in found:
+                    found |= _related_modules(source, depth - 1)
+    return found
+
+
+def _layer_calls_hand_on_more(path: Path) -> bool:
+    """Whether the forward pass unpacks several values from a layer's call (e.g.
+    `h, shared = layer(h, ...)`): what passes between ranks is one array."""
+    for module in _related_modules(path):
+        tree = _tree(module)
+        layer_names: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.For) and "layers" in ast.unparse(node.iter):
+                layer_names |= {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+            elif isinstance(node, ast.Assign) and "layers" in ast.unparse(node.value):
+                layer_names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Tuple) for t in node.targets)
+                and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name)
+                and node.value.func.id in layer_names
+            ):
+                return True
+    return False
+
+
+def pipeline_refusal(architecture: str) -> str | None:
+    """Why exo cannot split `architecture` into pipeline ranks; None when it can."""
+    path = _module_path(architecture)
+    if path is None:
+        return f"mlx-lm has no model for {architecture!r}"
+    definition = _layers_definition(path, "Model")
+    if definition is None:
+        return f"mlx-lm's {architecture!r} model names no list of layers"
+    if not _is_attribute_chain(definition):
+        return (
+            f"mlx-lm's {architecture!r} model builds its layer list anew on each use "
+            f"({ast.unparse(definition)})"
+        )
+    if _layer_calls_hand_on_more(path):
+        return (
+            f"mlx-lm's {architecture!r} layers hand on more than their hidden states "
+            "from one layer to the next"
+        )
+    return None
+
+
+def mlx_lm_architectures() -> list[str]:
+    """Every model type mlx-lm has a module for (remapped names included)."""
+    package = _mlx_lm_dir()
+    if package is None:
+        return []
+    found = {
+        path.stem
+        for path in (package / "models").glob("*.py")
+        if _find_class(path, "Model") is not None
+    }
+    found |= {name for name, module in _mlx_lm_remapping().items() if module in found}
+    return sorted(found)

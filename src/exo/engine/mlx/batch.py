@@ -57,7 +57,7 @@ from exo.engine.mlx.generate import (
     TextGenerator,
     TextStream,
 )
-from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, needs_checkpoints
+from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache
 from exo.engine.mlx.sampling import PendingToken, SamplingStep, greedy_rows
 from exo.shared.types.tasks import GenerationParams
 
@@ -149,7 +149,8 @@ class ContinuousBatcher:
             layers=layers,
             sampling=request_sampling(params, tokens, generator.tokenizer),
             stream=TextStream(generator.tokenizer, params, len(tokens), match.usable),
-            checkpoints=generator.prefix_cache is not None and needs_checkpoints(layers),
+            checkpoints=generator.prefix_cache is not None
+            and generator.prefix_cache.needs_checkpoints(layers),
             read=match.usable,
         )
         self._chunks[task_id] = generator.prefill_chunks(

@@ -40,7 +40,6 @@ from exo.engine.mlx.prefix_cache import (
     LayerCache,
     PrefixMatch,
     cached_length,
-    needs_checkpoints,
     resume,
 )
 from exo.engine.mlx.sampling import PendingToken, SampledToken, SamplingStep
@@ -270,7 +269,7 @@ class TextGenerator:
     def checkpoint_at(self, system_prompt_length: int, layers: list[LayerCache]) -> int:
         """Where prefill stores a checkpoint: the system prompt's end, for caches
         that cannot be cut back (0: none)."""
-        if self.prefix_cache is not None and needs_checkpoints(layers):
+        if self.prefix_cache is not None and self.prefix_cache.needs_checkpoints(layers):
             return system_prompt_length
         return 0
 
@@ -320,7 +319,7 @@ class TextGenerator:
     def store_prompt_checkpoint(self, tokens: Sequence[int], layers: list[LayerCache]) -> None:
         """For caches that cannot be cut back: keep the prompt's state before the
         reply (the next turn's template may rewrite the assistant turn)."""
-        if self.prefix_cache is not None and needs_checkpoints(layers):
+        if self.prefix_cache is not None and self.prefix_cache.needs_checkpoints(layers):
             self.forward.storing(tokens, len(tokens))
             self.prefix_cache.store(tokens, layers)
 

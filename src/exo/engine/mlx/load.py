@@ -1,5 +1,6 @@
 """Load an MLX model folder for inference on this machine's backend."""
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -39,14 +40,15 @@ def dequantized_f32(
     return values.reshape(*weight.shape[:-1], -1)
 
 
-def dequantize_f32(model: ModuleT) -> ModuleT:
-    """Replace the quantized layers of `model` by float32 ones, evaluated one at a
-    time (peak memory: one layer's intermediates)."""
+def dequantize_f32(model: ModuleT, only: Callable[[str], bool] = lambda name: True) -> ModuleT:
+    """Replace the quantized layers of `model` (those whose weight's name passes
+    `only`) by float32 ones, evaluated one at a time (peak memory: one layer's
+    intermediates)."""
     replaced: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if not isinstance(
             module, nn.QuantizedLinear | nn.QuantizedEmbedding | QuantizedSwitchLinear
-        ):
+        ) or not only(f"{name}.weight"):
             continue
         weight = dequantized_f32(
             module.weight,
@@ -74,10 +76,13 @@ def dequantize_f32(model: ModuleT) -> ModuleT:
     return model
 
 
-def prepare_for_backend(model: ModuleT, config: dict[str, Any]) -> ModuleT:
+def prepare_for_backend(
+    model: ModuleT, config: dict[str, Any], evaluate: Callable[[str], bool] = lambda name: True
+) -> ModuleT:
     """On the CPU backend dequantize to float32 and multiply decode steps' few
     rows by a kernel that reads each weight once (`cpu_few_rows`); then evaluate
-    the weights.
+    the weights whose names pass `evaluate` (a pipeline rank's: the others stay
+    lazy, never read).
 
     MLX's CPU quantized matmul is far slower than float32 BLAS matmul, so on
     the CPU the memory cost of float32 weights buys ~100x speed.
@@ -85,10 +90,11 @@ def prepare_for_backend(model: ModuleT, config: dict[str, Any]) -> ModuleT:
     if backend_name() == "cpu":
         if "quantization" in config:
             logger.info("CPU backend: dequantizing weights to float32")
-            model = dequantize_f32(model)
+            model = dequantize_f32(model, evaluate)
         model.set_dtype(mx.float32)
         use_kernel_for_few_rows(model)
-    mx.eval(model.parameters())
+    parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    mx.eval([array for name, array in parameters if evaluate(name)])
     return model
 
 

@@ -9,9 +9,12 @@ is rank 0:
       └─────────────────────────────────────┘
 
 Start: `HELLO` goes around with each rank's layers (they must cover the model
-in order), whether it caches prefixes (all or none) and whether every rank so
-far keeps a disk tier, then `START`, which tells all whether every rank does
-(else none uses its own).
+in order), whether it caches prefixes (all or none), whether every rank so far
+keeps a disk tier and whether any rank's layers cannot be cut back (sliding
+window, SSM state), then `START`, which tells all whether every rank keeps a
+disk tier (else none uses its own) and whether every rank's prefix cache must
+restore entries only at their ends (a rank holding only layers that can be cut
+back would otherwise decide other hits than one that cannot).
 
 Rank 0 drives: it is the generation loop's `Forward` (`generate.py`). It sends a
 task (token ids, sampling parameters, its prefix-cache decision), prefills the
@@ -66,10 +69,10 @@ from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, PrefixMatch, 
 from exo.engine.mlx.prefix_cache_disk import DiskTier
 from exo.engine.mlx.ring import (
     Header,
+    Link,
     Op,
     PipelineError,
     PipelineTask,
-    RingLink,
     ids_message,
     ids_of,
     keys_message,
@@ -93,20 +96,35 @@ STEP_SECONDS = 120.0
 LOAD_SECONDS = 600.0
 
 
+@dataclass(frozen=True)
+class RingAgreement:
+    """What the handshake settled for every rank."""
+
+    disk: bool  # every rank keeps a disk tier (else none uses its own)
+    # Some rank's layers cannot be cut back (sliding window, SSM state): every
+    # rank's prefix cache restores entries only at their ends, so all decide alike.
+    ends_only: bool
+
+
 def handshake(
-    link: RingLink,
+    link: Link,
     layers: LayerRange,
     cache_on: bool,
     timeout: float = LOAD_SECONDS,
     interrupt: Callable[[], None] = lambda: None,
     disk_on: bool = False,
-) -> bool:
+    checkpoints: bool = False,
+) -> RingAgreement:
     """Check that the ranks' layers cover the model in order and that all of them
     cache prefixes or none does; returns once every rank has loaded its shard,
-    whether every rank keeps a disk tier (else none uses one)."""
+    with what all agreed: whether every rank keeps a disk tier, whether any
+    rank's layers need checkpoints (`checkpoints`: this rank's do)."""
     cache_bit = int(cache_on)
     disk_bit = int(cache_on and disk_on) << 1
-    mine = Header(Op.HELLO, flag=cache_bit | disk_bit, value=layers.end, total=layers.total)
+    checkpoint_bit = int(checkpoints) << 2
+    mine = Header(
+        Op.HELLO, flag=cache_bit | disk_bit | checkpoint_bit, value=layers.end, total=layers.total
+    )
     if link.rank == 0:
         if not layers.is_first:
             raise PipelineError(f"rank 0 must start at layer 0, not {layers.start}")
@@ -114,9 +132,9 @@ def handshake(
         hello, _ = link.expect(Op.HELLO, timeout, interrupt)
         if hello.value != layers.total:
             raise PipelineError(f"the last rank ends at layer {hello.value} of {layers.total}")
-        disk_everywhere = bool(hello.flag & 2)
-        link.send(Header(Op.START, flag=int(disk_everywhere)))
-        return disk_everywhere
+        agreed = RingAgreement(disk=bool(hello.flag & 2), ends_only=bool(hello.flag & 4))
+        link.send(Header(Op.START, flag=int(agreed.disk) | int(agreed.ends_only) << 1))
+        return agreed
     hello, _ = link.recv(timeout, interrupt)
     expected = (Op.HELLO, layers.start, layers.total, cache_bit)
     if (hello.op, hello.value, hello.total, hello.flag & 1) != expected:
@@ -127,15 +145,18 @@ def handshake(
         )
     if link.is_last and not layers.is_last:
         raise PipelineError(f"the last rank ends at layer {layers.end} of {layers.total}")
-    link.send(replace(mine, flag=cache_bit | (hello.flag & disk_bit)))  # disk: all so far
+    # Disk: all so far (and); checkpoints: any so far (or).
+    link.send(
+        replace(mine, flag=cache_bit | (hello.flag & disk_bit) | ((hello.flag | mine.flag) & 4))
+    )
     start, _ = link.expect(Op.START, timeout, interrupt)
     if not link.is_last:
         link.send(start)
-    return bool(start.flag)
+    return RingAgreement(disk=bool(start.flag & 1), ends_only=bool(start.flag & 2))
 
 
 def agree_disk_entries(
-    link: RingLink, cache: KVPrefixCache, interrupt: Callable[[], None] = lambda: None
+    link: Link, cache: KVPrefixCache, interrupt: Callable[[], None] = lambda: None
 ) -> None:
     """Right after the handshake, on ranks with a disk tier: every rank keeps only
     the disk entries all of them hold (their keys intersected around the ring)."""
@@ -161,7 +182,7 @@ class RingDiskLoad:
     `LOADED` hands the verdict around); otherwise every rank removes the file and
     the next best is tried. Followers answer in `PipelineFollower._load`."""
 
-    def __init__(self, link: RingLink) -> None:
+    def __init__(self, link: Link) -> None:
         self.link = link
 
     def __call__(self, cache: KVPrefixCache, key: tuple[int, ...]) -> bool:
@@ -189,7 +210,7 @@ class RingEvictionAgreement:
     """The union of every rank's eviction victims, gathered around the ring and then
     handed around again, so each rank drops the same entries (an `EvictionAgreement`)."""
 
-    def __init__(self, link: RingLink) -> None:
+    def __init__(self, link: Link) -> None:
         self.link = link
 
     def __call__(self, victims: list[int]) -> list[int]:
@@ -210,7 +231,7 @@ class RingEvictionAgreement:
 
 
 def ring_prefix_cache(
-    link: RingLink,
+    link: Link,
     byte_budget: int,
     memory_pressure: Callable[[], bool],
     disk: DiskTier | None = None,
@@ -236,7 +257,7 @@ class PipelineDriver:
     # One row, each step's token awaited (its TOKEN) before the next is sent.
     eager_rows = 1
 
-    def __init__(self, link: RingLink, shard: ShardModel) -> None:
+    def __init__(self, link: Link, shard: ShardModel) -> None:
         if link.rank != 0 or not shard.layer_range.is_first:
             raise PipelineError("the driver runs on rank 0, which holds the first layers")
         self.link = link
@@ -272,7 +293,7 @@ class PipelineDriver:
     def _send_forward(self, tokens: Sequence[int], layers: list[LayerCache], sample: bool) -> None:
         """Send hidden states for `tokens` down the pipeline; with `sample` the last
         rank replies with the token it draws."""
-        h = self.shard.forward(self.shard.embed(mx.array(list(tokens))[None]), layers)
+        h = self.shard.run(mx.array(list(tokens))[None], layers)
         self.link.send(Header.for_payload(Op.FORWARD, h, flag=int(sample)), h)
 
     def prefill(self, tokens: Sequence[int], layers: list[LayerCache]) -> None:
@@ -334,7 +355,7 @@ class PipelineFollower:
 
     def __init__(
         self,
-        link: RingLink,
+        link: Link,
         shard: ShardModel,
         prefix_cache: KVPrefixCache | None,
         tokenizer: TokenizerWrapper | None,
@@ -422,10 +443,10 @@ class PipelineFollower:
         self._task = _FollowerTask(task, match, layers, sampling)
 
     def _forward(self, header: Header, h: mx.array, task: _FollowerTask) -> None:
-        h = self.shard.forward(h, task.layers)
+        out = self.shard.run(h, task.layers)  # hidden states, or the logits on the last rank
         if task.sampling is None:
-            self.link.send(header, h)
+            self.link.send(header, out)
         elif header.flag:
-            self.link.send(*token_message(task.sampling.sample(self.shard.logits(h)[:, -1, :])))
+            self.link.send(*token_message(task.sampling.sample(out[:, -1, :])))
         else:
             mx.eval([layer.state for layer in task.layers])

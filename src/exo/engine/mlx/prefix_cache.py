@@ -117,10 +117,9 @@ class CacheEntry:
     n_layers: int
     own_nbytes: int  # tail and checkpoints; chunks are counted once, in the store
     last_used: int
-
-    @property
-    def trimmable(self) -> bool:
-        return not self.checkpoints
+    # Restorable at any length up to its end; else only at its end (checkpoints,
+    # here or on another pipeline rank: `KVPrefixCache.ends_only`).
+    trimmable: bool
 
 
 @dataclass(frozen=True)
@@ -216,6 +215,15 @@ class KVPrefixCache:
         self._stats = CacheStats(byte_budget=byte_budget)
         # When a request last looked up or stored (monotonic): disk writes wait for a lull.
         self.last_active = time.monotonic()
+        # Entries restore only at their end, even when all of this cache's layers
+        # can be cut back: a pipeline rank whose layers can, when another's cannot
+        # (all ranks must decide alike).
+        self.ends_only = False
+
+    def needs_checkpoints(self, layers: Sequence[LayerCache]) -> bool:
+        """Whether only stored positions restore: some layer cannot be cut back,
+        here or on another rank of the pipeline."""
+        return self.ends_only or needs_checkpoints(layers)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -332,7 +340,7 @@ class KVPrefixCache:
         return self._materialize(self._entries[match.entry_id], match.usable)
 
     def _materialize(self, entry: CacheEntry, length: int) -> list[LayerCache]:
-        if entry.checkpoints and length != len(entry.tokens):
+        if not entry.trimmable and length != len(entry.tokens):
             raise ValueError("an entry with checkpoints restores only at its end")
         chunks = [self._chunks.get(key) for key in entry.chunks[: -(-length // self.chunk_tokens)]]
         past_chunks = length > len(entry.chunks) * self.chunk_tokens
@@ -364,7 +372,7 @@ class KVPrefixCache:
             if length == len(key):
                 self._entries[entry_id].last_used = self._tick()
                 return entry_id
-        if found.depth == len(key) and all(is_chunked(layer) for layer in layers):
+        if found.depth == len(key) and not self.needs_checkpoints(layers):
             # Already held, inside a longer entry that can be cut back to it.
             covering = [i for i in found.below if self._entries[i].trimmable]
             if covering:
@@ -416,6 +424,7 @@ class KVPrefixCache:
             n_layers=len(layers),
             own_nbytes=kv_nbytes(tail) + layers_nbytes(list(checkpoints.values())),
             last_used=self._tick(),
+            trimmable=not checkpoints and not self.ends_only,
         )
 
     def _forget(self, entry_id: int) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import astuple, dataclass, replace
 from enum import IntEnum
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 import mlx.core as mx
 import numpy as np
@@ -200,8 +200,37 @@ class PipelineTask(BaseModel):
         return PipelineTask.model_validate_json(np.array(payload).tobytes())
 
 
+class Link(Protocol):
+    """What the pipeline's protocol needs of the link to its neighbours."""
+
+    rank: int
+    size: int
+    left: int
+    broken: bool  # a peer is lost: nothing more goes through
+    last_activity: float  # monotonic time of the last message in or out
+
+    @property
+    def is_last(self) -> bool: ...
+
+    def send(self, header: Header, payload: mx.array | None = None) -> None:
+        """To the right neighbour; a payload is computed before anything goes."""
+        ...
+
+    def recv(self, timeout: float, interrupt: Callable[[], None] = lambda: None) -> Message:
+        """The next message from the left neighbour; `PeerLost` after `timeout`
+        seconds of silence. `interrupt` is called while waiting and may raise."""
+        ...
+
+    def expect(
+        self, op: Op, timeout: float, interrupt: Callable[[], None] = lambda: None
+    ) -> Message:
+        """`recv`, which must bring `op` (else `PipelineError`)."""
+        ...
+
+
 class RingLink:
-    """Messages from the left neighbour and to the right one, with bounded waits."""
+    """`Link` over an `mx.distributed` ring group: messages from the left neighbour
+    and to the right one, with bounded waits."""
 
     def __init__(self, group: mx.distributed.Group, left_fd: int | None) -> None:
         self.group = group

@@ -10,10 +10,7 @@ and traces those functions for their first shapes; the CPU decode kernel
 takes, on caches of their own: the prefix cache is never touched.
 """
 
-from typing import cast
-
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from exo.engine.mlx.batch import ContinuousBatcher, GenerationFailed, can_batch
 from exo.engine.mlx.generate import LocalModel, TextGenerator
@@ -62,17 +59,10 @@ def warm_up(model: LocalModel) -> None:
 
 def warm_up_shard(shard: ShardModel) -> None:
     """`warm_up` for one rank of a pipeline, on its own: a prompt then a few
-    single tokens through its layers (embedded on the first rank, zeros of the
+    single tokens through its layers (token ids on the first rank, zeros of the
     hidden size elsewhere), and on the last rank the logits, drawn greedily and
     at a temperature. Call it after loading the shard, before reporting ready."""
     first, last = shard.layer_range.is_first, shard.layer_range.is_last
-    block = shard.layers[0]
-    hidden = cast(int, block.hidden_size)  # every shardable architecture's blocks have it
-    dtype = next(
-        value.dtype
-        for _, value in cast(list[tuple[str, mx.array]], tree_flatten(block.parameters()))
-        if mx.issubdtype(value.dtype, mx.floating)
-    )
     prompt = list(range(1, 9))
     samplers = [
         SamplingStep(GenerationParams(max_tokens=_REPLY_TOKENS, temperature=0), prompt),
@@ -85,15 +75,10 @@ def warm_up_shard(shard: ShardModel) -> None:
     ]
     cache = shard.make_cache()
     for tokens in [prompt] + [[1]] * _REPLY_TOKENS:
-        h = (
-            shard.embed(mx.array([tokens]))
-            if first
-            else mx.zeros((1, len(tokens), hidden), dtype=dtype)
-        )
-        h = shard.forward(h, cache)
+        inputs = mx.array([tokens]) if first else shard.placeholder_hidden(len(tokens))
+        out = shard.run(inputs, cache)
         if last:
-            logits = shard.logits(h)[:, -1, :]
             for sampler in samplers:
-                sampler.sample(logits)
+                sampler.sample(out[:, -1, :])
         else:
-            mx.eval(h)
+            mx.eval(out)

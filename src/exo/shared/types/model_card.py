@@ -1,12 +1,19 @@
 """Model cards: what placement and downloads need to know about a model (built
 by `exo.models.cards`)."""
 
-from typing import Literal
+from typing import Any, Literal, Self, cast
+
+from pydantic import model_validator
 
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import ModelId
 
 SizeSource = Literal["safetensors_headers", "index_total_size", "file_sizes", "config_estimate"]
+# What a layer caches while generating: keys and values of every token
+# ("attention"), of the last `window` tokens ("sliding"), a compressed latent per
+# token (multi-head latent attention, "latent"), a constant-size state (linear
+# attention, SSM: "recurrent"), or nothing (MLP-only blocks: "none").
+CacheKind = Literal["attention", "sliding", "latent", "recurrent", "none"]
 
 
 class Quantization(FrozenModel):
@@ -24,6 +31,23 @@ class WeightFile(FrozenModel):
     embedding: bool  # holds input-side tensors (token embedding, vision tower)
     head: bool  # holds the final norm or the output head
     size_bytes: int | None = None  # the file's size, when known
+
+
+class LayerCache(FrozenModel):
+    """What one layer's cache (mlx-lm's, for its family) holds per sequence, in
+    elements: the bytes depend on the backend's activation dtype
+    (`exo.models.memory`)."""
+
+    kind: CacheKind
+    token_elements: int = 0  # cached per token, in the activation dtype
+    window: int | None = None  # tokens kept at most; None: every token
+    state_elements: int = 0  # constant-size state in the activation dtype (convolution state)
+    float32_state_elements: int = 0  # constant-size state kept in float32 (recurrent state)
+
+
+def full_attention(n_kv_heads: int, head_dim: int) -> LayerCache:
+    """Keys and values of every KV head for every token."""
+    return LayerCache(kind="attention", token_elements=2 * n_kv_heads * head_dim)
 
 
 class ModelCard(FrozenModel):
@@ -52,6 +76,37 @@ class ModelCard(FrozenModel):
     quantization: Quantization | None  # None: unquantized
     dtype_bytes: int  # bytes per element of the unquantized weights (2 for bf16/fp16)
     size_source: SizeSource  # exact (headers) or how the sizes were estimated
+    # One entry per layer: layers differ (dense and mixture-of-experts layers,
+    # attention and recurrent layers). Cards from nodes that predate these fields
+    # get the averages above for every layer and full attention over all KV heads.
+    per_layer_bytes: tuple[int, ...]  # as stored
+    per_layer_params: tuple[int, ...]  # as loaded, like `layer_params`
+    layer_caches: tuple[LayerCache, ...]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _per_layer_from_averages(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cast(dict[str, Any], data)
+        n, kv_heads, head_dim = (fields.get(k) for k in ("n_layers", "n_kv_heads", "head_dim"))
+        if not (isinstance(n, int) and isinstance(kv_heads, int) and isinstance(head_dim, int)):
+            return data  # the missing or malformed field fails validation
+        defaults = {
+            "per_layer_bytes": (fields.get("layer_bytes"),) * n,
+            "per_layer_params": (fields.get("layer_params"),) * n,
+            "layer_caches": (full_attention(kv_heads, head_dim),) * n,
+        }
+        return fields | {k: v for k, v in defaults.items() if not fields.get(k)}
+
+    @model_validator(mode="after")
+    def _one_entry_per_layer(self) -> Self:
+        lengths = {len(self.per_layer_bytes), len(self.per_layer_params), len(self.layer_caches)}
+        if lengths != {self.n_layers}:
+            raise ValueError(
+                f"per-layer fields need {self.n_layers} entries, one per layer, not {lengths}"
+            )
+        return self
 
     @property
     def other_bytes(self) -> int:

@@ -25,7 +25,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from exo.engine.mlx.cpu_few_rows import configure_kernel_threads
 from exo.engine.mlx.generate import TextGenerator
-from exo.engine.mlx.load import load_model_tokenizer, parameter_bytes
+from exo.engine.mlx.load import load_model_tokenizer
 from exo.engine.mlx.one_at_a_time import OneAtATime
 from exo.engine.mlx.pipeline import (
     PipelineDriver,
@@ -34,7 +34,7 @@ from exo.engine.mlx.pipeline import (
     handshake,
     ring_prefix_cache,
 )
-from exo.engine.mlx.prefix_cache import KVPrefixCache
+from exo.engine.mlx.prefix_cache import KVPrefixCache, needs_checkpoints
 from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
 from exo.engine.mlx.ring import PeerLost, RingLink, join_ring
 from exo.engine.mlx.shard import ShardModel, load_shard
@@ -92,7 +92,7 @@ def _join(
     shard = load_shard(model_dir, layers)
     warm_up_shard(shard)  # first-use compiles before the handshake, not in the first request
     logger.info(
-        f"loaded {layers} ({parameter_bytes(shard) / 1e6:.0f} MB, peak "
+        f"loaded {layers} ({shard.weight_bytes / 1e6:.0f} MB, peak "
         f"{mx.get_peak_memory() / 1e6:.0f} MB) in {time.monotonic() - joined:.1f}s"
     )
     # This rank's share of each entry on disk, in a folder named by its layers.
@@ -105,10 +105,17 @@ def _join(
     needs_tokenizer = link.rank == 0 or link.is_last
     tokenizer = load_model_tokenizer(model_dir) if needs_tokenizer else None
     interrupt = runner.inbox.drain if link.rank == 0 else runner.refuse_tasks
-    disk_on = handshake(
-        link, layers, cache is not None, interrupt=interrupt, disk_on=tier is not None
+    agreed = handshake(
+        link,
+        layers,
+        cache is not None,
+        interrupt=interrupt,
+        disk_on=tier is not None,
+        checkpoints=needs_checkpoints(shard.make_cache()),
     )
-    if cache is not None and disk_on:
+    if cache is not None:
+        cache.ends_only = agreed.ends_only
+    if cache is not None and agreed.disk:
         agree_disk_entries(link, cache, interrupt)
     elif cache is not None and tier is not None:
         logger.warning("prefix cache: another pipeline rank keeps no disk tier: none is used")

@@ -1,0 +1,146 @@
+"""A pipeline's ranks as threads of the test process: the real protocol
+(`engine/mlx/pipeline.py`: handshake, tasks, prefix-cache agreement) over a link
+of queues instead of `mx.distributed`, so architectures are covered without a
+process per rank. The ring itself is tested with real processes elsewhere
+(tests/integration/test_pipeline.py)."""
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from exo.engine.mlx.generate import Finished, TextDelta, TextGenerator
+from exo.engine.mlx.load import load_model_tokenizer
+from exo.engine.mlx.pipeline import PipelineDriver, PipelineFollower, handshake, ring_prefix_cache
+from exo.engine.mlx.prefix_cache import KVPrefixCache, needs_checkpoints
+from exo.engine.mlx.ring import Header, Message, Op, PeerLost, PipelineError
+from exo.engine.mlx.shard import load_shard
+from exo.shared.types.cache_stats import CacheStats
+from exo.shared.types.shard import LayerRange
+from exo.shared.types.tasks import GenerationParams, Usage
+
+_WAIT_SLICE_SECONDS = 0.05
+_RANK_SECONDS = 300.0
+
+
+class QueueLink:
+    """`RingLink`'s interface between threads: what a rank sends goes to its right
+    neighbour's queue."""
+
+    def __init__(self, rank: int, inboxes: list["queue.Queue[Message]"]) -> None:
+        self.rank = rank
+        self.size = len(inboxes)
+        self.left = (rank - 1) % self.size
+        self.right = (rank + 1) % self.size
+        self._inboxes = inboxes
+        self.broken = False
+        self.last_activity = time.monotonic()
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def send(self, header: Header, payload: mx.array | None = None) -> None:
+        if payload is not None:
+            mx.eval(payload)
+        self._inboxes[self.right].put((header, payload))
+        self.last_activity = time.monotonic()
+
+    def recv(self, timeout: float, interrupt: Callable[[], None] = lambda: None) -> Message:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                message = self._inboxes[self.rank].get(timeout=_WAIT_SLICE_SECONDS)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    self.broken = True
+                    raise PeerLost(f"rank {self.left} sent nothing for {timeout:.0f}s") from None
+                interrupt()
+                continue
+            self.last_activity = time.monotonic()
+            return message
+
+    def expect(
+        self, op: Op, timeout: float, interrupt: Callable[[], None] = lambda: None
+    ) -> Message:
+        header, payload = self.recv(timeout, interrupt)
+        if header.op != op:
+            raise PipelineError(f"expected {op.name} from rank {self.left}, got {header.op.name}")
+        return header, payload
+
+
+@dataclass
+class PipelineRun:
+    replies: list[tuple[str, Usage]]  # rank 0's, in request order
+    stats: list[CacheStats]  # every rank's prefix cache, after the last request
+
+
+def run_pipeline(
+    model_dir: Path,
+    bounds: Sequence[int],
+    requests: Sequence[tuple[Sequence[int], GenerationParams]],
+    cache_bytes: int = 1 << 30,
+) -> PipelineRun:
+    """Serve `requests` one after another on ranks holding [bounds[r], bounds[r+1])."""
+    total = bounds[-1]
+    ranges = [LayerRange(start=a, end=b, total=total) for a, b in itertools.pairwise(bounds)]
+    shards = [load_shard(model_dir, layers) for layers in ranges]
+    tokenizer = load_model_tokenizer(model_dir)
+    inboxes: list[queue.Queue[Message]] = [queue.Queue() for _ in ranges]
+    links = [QueueLink(rank, inboxes) for rank in range(len(ranges))]
+    caches: list[KVPrefixCache | None] = [
+        ring_prefix_cache(link, cache_bytes, lambda: False) for link in links
+    ]
+    replies: list[tuple[str, Usage]] = []
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        link, shard, cache = links[rank], shards[rank], caches[rank]
+        try:
+            agreed = handshake(
+                link,
+                ranges[rank],
+                cache is not None,
+                timeout=_RANK_SECONDS,
+                checkpoints=needs_checkpoints(shard.make_cache()),
+            )
+            if cache is not None:
+                cache.ends_only = agreed.ends_only
+            if rank > 0:
+                last = tokenizer if link.is_last else None
+                PipelineFollower(link, shard, cache, last).serve()
+                return
+            driver = PipelineDriver(link, shard)
+            generator = TextGenerator(driver, tokenizer, cache)
+            for tokens, params in requests:
+                text, usage = "", None
+                for output in generator.generate(tokens, params):
+                    if isinstance(output, TextDelta):
+                        text += output.text
+                    elif isinstance(output, Finished):
+                        usage = output.usage
+                assert usage is not None
+                replies.append((text, usage))
+            driver.shutdown()
+        except BaseException as error:
+            errors.append(error)
+            for inbox in inboxes:  # wake the others: they fail on the unexpected message
+                inbox.put((Header(Op.SHUTDOWN), None))
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(len(ranges))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(_RANK_SECONDS)
+    if errors:
+        raise errors[0]
+    if any(thread.is_alive() for thread in threads):
+        raise TimeoutError("a pipeline rank did not finish")
+    return PipelineRun(
+        replies=replies, stats=[cache.stats() for cache in caches if cache is not None]
+    )
