@@ -18,7 +18,7 @@ from exo.engine.mlx.generate import Finished, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_model_tokenizer
 from exo.engine.mlx.pipeline import PipelineDriver, PipelineFollower, handshake, ring_prefix_cache
 from exo.engine.mlx.prefix_cache import KVPrefixCache, needs_checkpoints
-from exo.engine.mlx.ring import Header, Message, Op, PeerLost, PipelineError
+from exo.engine.mlx.ring import Header, Message, Op, PeerLost, expected
 from exo.engine.mlx.shard import load_shard
 from exo.shared.types.cache_stats import CacheStats
 from exo.shared.types.shard import LayerRange
@@ -68,10 +68,7 @@ class QueueLink:
     def expect(
         self, op: Op, timeout: float, interrupt: Callable[[], None] = lambda: None
     ) -> Message:
-        header, payload = self.recv(timeout, interrupt)
-        if header.op != op:
-            raise PipelineError(f"expected {op.name} from rank {self.left}, got {header.op.name}")
-        return header, payload
+        return expected(op, self.recv(timeout, interrupt), self.left)
 
 
 @dataclass

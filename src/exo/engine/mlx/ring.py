@@ -200,6 +200,14 @@ class PipelineTask(BaseModel):
         return PipelineTask.model_validate_json(np.array(payload).tobytes())
 
 
+def expected(op: Op, message: Message, left: int) -> Message:
+    """`message` from rank `left`, which must be an `op` (else `PipelineError`)."""
+    header, _ = message
+    if header.op != op:
+        raise PipelineError(f"expected {op.name} from rank {left}, got {header.op.name}")
+    return message
+
+
 class Link(Protocol):
     """What the pipeline's protocol needs of the link to its neighbours."""
 
@@ -283,10 +291,7 @@ class RingLink:
     def expect(
         self, op: Op, timeout: float, interrupt: Callable[[], None] = lambda: None
     ) -> Message:
-        header, payload = self.recv(timeout, interrupt)
-        if header.op != op:
-            raise PipelineError(f"expected {op.name} from rank {self.left}, got {header.op.name}")
-        return header, payload
+        return expected(op, self.recv(timeout, interrupt), self.left)
 
     def _wait_readable(self, timeout: float, interrupt: Callable[[], None]) -> None:
         if self._left_fd is None:
