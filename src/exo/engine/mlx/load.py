@@ -94,8 +94,20 @@ def prepare_for_backend(
         model.set_dtype(mx.float32)
         use_kernel_for_few_rows(model)
     parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
-    mx.eval([array for name, array in parameters if evaluate(name)])
+    mx.eval([array for name, array in parameters if evaluate(name)], _private_arrays(model))
     return model
+
+
+def _private_arrays(model: nn.Module) -> list[mx.array]:
+    """Arrays a module computes for itself (`_freqs` of a RoPE): not parameters,
+    so evaluated nowhere else, and left lazy they tie the graph to the stream of
+    the thread that loaded the model, which another thread cannot evaluate."""
+    return [
+        value
+        for _, module in model.named_modules()
+        for key, value in module.items()
+        if key.startswith("_") and isinstance(value, mx.array)
+    ]
 
 
 def parameter_bytes(model: nn.Module) -> int:
