@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from exo.shared.types.cache_stats import CacheStats
 from exo.shared.types.ids import TaskId
 from exo.shared.types.shard import LayerRange
 from exo.shared.types.tasks import GenerationParams, Usage
 from exo.worker.runner.blas import runner_environment
 from exo.worker.runner.protocol import (
+    CacheStatsReport,
     Cancel,
     FromRunner,
     Generate,
@@ -164,11 +166,17 @@ class RunnerProcess:
 
     def collect(self, task_id: str, timeout: float) -> TaskResult:
         """Messages of `task_id` until it finishes or fails (others are skipped)."""
-        result = TaskResult()
+        return self.collect_all([task_id], timeout)[0]
+
+    def collect_all(self, task_ids: Sequence[str], timeout: float) -> list[TaskResult]:
+        """Messages of every task in `task_ids` until each finishes or fails, in
+        the order of `task_ids` (others are skipped)."""
+        results = {task_id: TaskResult() for task_id in task_ids}
         deadline = time.monotonic() + timeout
-        while result.finished is None and result.failed is None:
+        while any(r.finished is None and r.failed is None for r in results.values()):
             message = self.next_message(deadline)
-            if getattr(message, "task_id", None) != task_id:
+            result = results.get(str(getattr(message, "task_id", "")))
+            if result is None:
                 continue
             result.messages.append(message)
             if isinstance(message, TaskText):
@@ -177,7 +185,12 @@ class RunnerProcess:
                 result.finished = message
             elif isinstance(message, TaskFailed):
                 result.failed = message
-        return result
+        return [results[task_id] for task_id in task_ids]
+
+    def latest_cache_stats(self) -> CacheStats:
+        reports = [m for m in self.received if isinstance(m, CacheStatsReport)]
+        assert reports, f"no cache stats reported; log: {self.log_path}"
+        return reports[-1].stats
 
     def generate(
         self, task_id: str, tokens: Sequence[int], params: GenerationParams, timeout: float = 120
@@ -219,9 +232,10 @@ def start_runner(
     layers: LayerRange | None = None,
     prefix_cache_dir: Path | None = None,
     prefix_cache_disk_bytes: int = 0,
+    tensor: bool = False,
 ) -> RunnerProcess:
     command = runner_command(
-        model_dir, prefix_cache_bytes, layers, prefix_cache_dir, prefix_cache_disk_bytes
+        model_dir, prefix_cache_bytes, layers, prefix_cache_dir, prefix_cache_disk_bytes, tensor
     )
     name = f"runner-{rank}-of-{hostfile.stem if hostfile else 'single'}.log"
     return RunnerProcess(command, rank_environment(work_dir, hostfile, rank), work_dir / name)
@@ -245,11 +259,15 @@ def running_pipeline(
     ready_timeout: float = 120,
     prefix_cache_dir: Path | None = None,
     prefix_cache_disk_bytes: int = 1 << 30,
+    tensor_ranks: int = 0,
 ) -> Iterator[Pipeline]:
     """len(bounds) - 1 ranks (one runner, no ring, for a single range), all ready;
-    with `prefix_cache_dir`, their prefix caches keep a disk tier there."""
-    count = len(bounds) - 1
+    with `tensor_ranks`, that many tensor ranks instead, each holding a slice of
+    all `bounds[-1]` layers. With `prefix_cache_dir`, their prefix caches keep a
+    disk tier there."""
+    count = tensor_ranks or len(bounds) - 1
     hostfile = write_hostfile(work_dir, count) if count > 1 else None
+    total = bounds[-1]
     runners = [
         start_runner(
             model_dir,
@@ -257,11 +275,16 @@ def running_pipeline(
             prefix_cache_bytes,
             hostfile,
             rank,
-            LayerRange(start=bounds[rank], end=bounds[rank + 1], total=bounds[-1])
+            (
+                LayerRange(start=0, end=total, total=total)
+                if tensor_ranks
+                else LayerRange(start=bounds[rank], end=bounds[rank + 1], total=total)
+            )
             if hostfile
             else None,
             prefix_cache_dir,
             prefix_cache_disk_bytes,
+            tensor=bool(tensor_ranks),
         )
         for rank in range(count)
     ]

@@ -12,7 +12,7 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from exo.engine.mlx.batch import BatchOutput, ContinuousBatcher, PromptProgress
+from exo.engine.mlx.batch import Batch, BatchOutput, ContinuousBatcher, PromptProgress
 from exo.engine.mlx.generate import Finished, LocalModel, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.one_at_a_time import OneAtATime
@@ -36,7 +36,7 @@ from exo.worker.runner.protocol import (
     ToRunner,
     from_runner_adapter,
 )
-from exo.worker.runner.serving import Batch, Runner
+from exo.worker.runner.serving import Runner
 
 GREEDY = GenerationParams(max_tokens=8, temperature=0)
 BROKEN = JsonSchema(json_schema={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})

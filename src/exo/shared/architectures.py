@@ -4,6 +4,10 @@ mlx-lm model keeps its blocks in one list that its forward pass runs through,
 each handing on only the hidden states (`engine/mlx/shard.py` runs the model's
 own forward pass over a rank's part of that list).
 
+Split by tensors (every rank holds a slice of every layer), any whose mlx-lm
+model has its own `shard()`, and the families exo shards with a strategy of its
+own (`OWN_TENSOR_STRATEGIES`, `engine/mlx/tensor.py`).
+
 Placement checks a card against these before any node downloads a byte. The
 node process never imports MLX, so mlx-lm's model modules are read from disk
 (their syntax tree), not imported; there is no hand-kept list.
@@ -166,6 +170,38 @@ def pipeline_refusal(architecture: str) -> str | None:
             "from one layer to the next"
         )
     return None
+
+
+# Families whose mlx-lm model has no `shard()`: exo's own strategies
+# (`engine/mlx/tensor.py`, which has one for each of these, tested).
+OWN_TENSOR_STRATEGIES = frozenset({"qwen3_next", "nemotron_h", "mixtral", "gemma3_text"})
+
+
+def _defines(path: Path, name: str, method: str, depth: int = 0) -> bool:
+    """Whether class `name` (or a base class) defines `method`."""
+    found = _find_class(path, name)
+    if found is None:
+        return False
+    path, cls = found
+    if any(isinstance(n, ast.FunctionDef) and n.name == method for n in cls.body):
+        return True
+    return depth < 4 and any(
+        isinstance(base, ast.Name) and _defines(path, base.id, method, depth + 1)
+        for base in cls.bases
+    )
+
+
+def tensor_refusal(architecture: str) -> str | None:
+    """Why exo cannot split `architecture` by tensors; None when it can."""
+    path = _module_path(architecture)
+    if path is None:
+        return f"mlx-lm has no model for {architecture!r}"
+    if architecture in OWN_TENSOR_STRATEGIES or _defines(path, "Model", "shard"):
+        return None
+    return (
+        f"mlx-lm's {architecture!r} model has no tensor sharding (no shard()) "
+        "and exo has no strategy of its own for it"
+    )
 
 
 def mlx_lm_architectures() -> list[str]:

@@ -45,6 +45,7 @@ what becomes of a reply's last token).
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -79,6 +80,34 @@ class GenerationFailed:
 
 BatchOutput = GenerationOutput | PromptProgress | GenerationFailed
 Outputs = list[tuple[str, BatchOutput]]  # a step's, by task id
+
+
+class Batch(Protocol):
+    """What the loop serves tasks with (`ContinuousBatcher`, `OneAtATime`)."""
+
+    @property
+    def max_batch(self) -> int: ...
+
+    @property
+    def idle(self) -> bool: ...
+
+    @property
+    def prefix_cache(self) -> KVPrefixCache | None: ...
+
+    def add(
+        self,
+        task_id: str,
+        tokens: Sequence[int],
+        params: GenerationParams,
+        system_prompt_length: int = 0,
+    ) -> PromptProgress | None:
+        """Take a request; its progress so far, or None when it reports it as it
+        reads its prompt. Raises (and takes nothing) for an invalid request."""
+        ...
+
+    def cancel(self, task_id: str) -> bool: ...
+
+    def step(self) -> list[tuple[str, BatchOutput]]: ...
 
 
 def can_batch(layers: Sequence[LayerCache]) -> bool:

@@ -114,8 +114,10 @@ def handshake(
     interrupt: Callable[[], None] = lambda: None,
     disk_on: bool = False,
     checkpoints: bool = False,
+    every_layer: bool = False,
 ) -> RingAgreement:
-    """Check that the ranks' layers cover the model in order and that all of them
+    """Check that the ranks' layers cover the model in order (`every_layer`:
+    tensor ranks, each holding a slice of every layer) and that all of them
     cache prefixes or none does; returns once every rank has loaded its shard,
     with what all agreed: whether every rank keeps a disk tier, whether any
     rank's layers need checkpoints (`checkpoints`: this rank's do)."""
@@ -125,6 +127,8 @@ def handshake(
     mine = Header(
         Op.HELLO, flag=cache_bit | disk_bit | checkpoint_bit, value=layers.end, total=layers.total
     )
+    if every_layer and not (layers.is_first and layers.is_last):
+        raise PipelineError(f"a tensor rank holds every layer, not {layers}")
     if link.rank == 0:
         if not layers.is_first:
             raise PipelineError(f"rank 0 must start at layer 0, not {layers.start}")
@@ -136,7 +140,7 @@ def handshake(
         link.send(Header(Op.START, flag=int(agreed.disk) | int(agreed.ends_only) << 1))
         return agreed
     hello, _ = link.recv(timeout, interrupt)
-    expected = (Op.HELLO, layers.start, layers.total, cache_bit)
+    expected = (Op.HELLO, layers.end if every_layer else layers.start, layers.total, cache_bit)
     if (hello.op, hello.value, hello.total, hello.flag & 1) != expected:
         raise PipelineError(
             f"rank {link.rank} holds {layers} (prefix cache {'on' if cache_on else 'off'}), "
@@ -201,7 +205,7 @@ class RingDiskLoad:
             cache.discard_disk(file_key)
 
 
-def _never_load(cache: KVPrefixCache, key: tuple[int, ...]) -> bool:
+def never_load(cache: KVPrefixCache, key: tuple[int, ...]) -> bool:
     """Followers load from disk only when rank 0 asks (`LOAD`)."""
     return False
 
@@ -235,9 +239,12 @@ def ring_prefix_cache(
     byte_budget: int,
     memory_pressure: Callable[[], bool],
     disk: DiskTier | None = None,
+    lockstep: bool = False,
 ) -> KVPrefixCache | None:
     """This rank's prefix cache (None when off), deciding evictions and what comes
-    from disk with the others."""
+    from disk with the others. With `lockstep` (tensor ranks, which look up
+    together) no lookup reads the disk: rank 0 brings entries in before.
+    """
     if byte_budget <= 0:
         return None
     return KVPrefixCache(
@@ -245,11 +252,59 @@ def ring_prefix_cache(
         memory_pressure,
         agree=RingEvictionAgreement(link),
         disk=disk,
-        disk_load=RingDiskLoad(link) if link.rank == 0 else _never_load,
+        disk_load=RingDiskLoad(link) if link.rank == 0 and not lockstep else never_load,
     )
 
 
-class PipelineDriver:
+class RingLead:
+    """What rank 0 sends around the ring between requests: heartbeats, disk writes
+    and the stop."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+
+    def keep_alive(self) -> None:
+        """Heartbeat around the ring unless it carried something within the last second."""
+        if time.monotonic() - self.link.last_activity >= HEARTBEAT_SECONDS:
+            self.link.send(Header(Op.HEARTBEAT))
+            self.link.expect(Op.HEARTBEAT, IDLE_SILENCE_SECONDS)
+
+    def persist_idle(self, cache: KVPrefixCache) -> bool:
+        """Write the newest entry not on disk yet on every rank (`PERSIST`, acked
+        once every rank wrote its share); False when there is none."""
+        entry_id = cache.next_unsaved()
+        if entry_id is None:
+            return False
+        self.link.send(*ids_message(Op.PERSIST, [entry_id]))
+        cache.persist_entry(entry_id)
+        self.link.expect(Op.PERSIST, STEP_SECONDS)
+        return True
+
+    def shutdown(self) -> None:
+        """Stop every rank; returns once the last one has it (bounded)."""
+        if self.link.broken:
+            return
+        self.link.send(Header(Op.SHUTDOWN))
+        self.link.expect(Op.SHUTDOWN, IDLE_SILENCE_SECONDS)
+
+
+def answer_load(link: Link, header: Header, payload: mx.array | None, cache: KVPrefixCache) -> None:
+    """A follower's answer to rank 0's `LOAD` (see `RingDiskLoad`): pass on whether
+    every rank so far, this one included, can read its share; then do what
+    `LOADED` says."""
+    (file_key,) = keys_of(payload)
+    loaded = cache.read_disk(file_key) if header.flag else None
+    link.send(replace(header, flag=int(loaded is not None)), payload)
+    verdict, verdict_payload = link.expect(Op.LOADED, STEP_SECONDS)
+    if not link.is_last:
+        link.send(verdict, verdict_payload)
+    if verdict.flag and loaded is not None:
+        cache.adopt(*loaded)
+    else:
+        cache.discard_disk(file_key)
+
+
+class PipelineDriver(RingLead):
     """Rank 0: the generation loop's `Forward` through the pipeline. It embeds the
     tokens and runs the first layers; the other ranks run theirs on what it sends,
     and the last one draws the tokens."""
@@ -260,7 +315,7 @@ class PipelineDriver:
     def __init__(self, link: Link, shard: ShardModel) -> None:
         if link.rank != 0 or not shard.layer_range.is_first:
             raise PipelineError("the driver runs on rank 0, which holds the first layers")
-        self.link = link
+        super().__init__(link)
         self.shard = shard
 
     def make_cache(self) -> list[LayerCache]:
@@ -315,30 +370,6 @@ class PipelineDriver:
         # The count to store, and the reply's ids: only the last rank saw them drawn.
         header, payload = ids_message(Op.STORE, list(tokens[prompt_length:]))
         self.link.send(replace(header, value=len(tokens)), payload)
-
-    def keep_alive(self) -> None:
-        """Heartbeat around the ring unless it carried something within the last second."""
-        if time.monotonic() - self.link.last_activity >= HEARTBEAT_SECONDS:
-            self.link.send(Header(Op.HEARTBEAT))
-            self.link.expect(Op.HEARTBEAT, IDLE_SILENCE_SECONDS)
-
-    def persist_idle(self, cache: KVPrefixCache) -> bool:
-        """Write the newest entry not on disk yet on every rank (`PERSIST`, acked
-        once every rank wrote its share); False when there is none."""
-        entry_id = cache.next_unsaved()
-        if entry_id is None:
-            return False
-        self.link.send(*ids_message(Op.PERSIST, [entry_id]))
-        cache.persist_entry(entry_id)
-        self.link.expect(Op.PERSIST, STEP_SECONDS)
-        return True
-
-    def shutdown(self) -> None:
-        """Stop every rank; returns once the last one has it (bounded)."""
-        if self.link.broken:
-            return
-        self.link.send(Header(Op.SHUTDOWN))
-        self.link.expect(Op.SHUTDOWN, IDLE_SILENCE_SECONDS)
 
 
 @dataclass
@@ -397,7 +428,7 @@ class PipelineFollower:
             elif header.op == Op.FORWARD and payload is not None and self._task:
                 self._forward(header, payload, self._task)
             elif header.op == Op.LOAD and self._task is None and self.prefix_cache is not None:
-                self._load(header, payload, self.prefix_cache)
+                answer_load(self.link, header, payload, self.prefix_cache)
             elif header.op == Op.PERSIST and self._task is None and self.prefix_cache is not None:
                 for entry_id in ids_of(payload):
                     self.prefix_cache.persist_entry(entry_id)
@@ -413,20 +444,6 @@ class PipelineFollower:
                 self.prefix_cache.store(sequence, task.layers)
             else:
                 raise PipelineError(f"unexpected {header.op.name} from rank {self.link.left}")
-
-    def _load(self, header: Header, payload: mx.array | None, cache: KVPrefixCache) -> None:
-        """Answer rank 0's `LOAD` (see `RingDiskLoad`): pass on whether every rank so
-        far, this one included, can read its share; then do what `LOADED` says."""
-        (file_key,) = keys_of(payload)
-        loaded = cache.read_disk(file_key) if header.flag else None
-        self.link.send(replace(header, flag=int(loaded is not None)), payload)
-        verdict, verdict_payload = self.link.expect(Op.LOADED, STEP_SECONDS)
-        if not self.link.is_last:
-            self.link.send(verdict, verdict_payload)
-        if verdict.flag and loaded is not None:
-            cache.adopt(*loaded)
-        else:
-            cache.discard_disk(file_key)
 
     def _start(self, task: PipelineTask) -> None:
         match, layers = resume(self.prefix_cache, task.tokens, self.shard.make_cache)

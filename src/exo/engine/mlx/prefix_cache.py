@@ -242,9 +242,8 @@ class KVPrefixCache:
         A longer one on disk is brought into memory first."""
         key = tuple(tokens)
         self.last_active = time.monotonic()
+        self.bring_from_disk(key, self._disk_load)
         best_id, best = self._best(key)
-        if self._disk is not None and self._disk.best(key)[1] > best and self._disk_load(self, key):
-            best_id, best = self._best(key)
         from_disk = best_id in self._from_disk
         self._from_disk.clear()
         self._stats.lookups += 1
@@ -263,6 +262,13 @@ class KVPrefixCache:
         self._stats.tokens_reused += best
         self._entries[best_id].last_used = self._tick()
         return PrefixMatch(entry_id=best_id, usable=best, prompt_length=len(key))
+
+    def bring_from_disk(self, tokens: Sequence[int], disk_load: DiskLoad) -> None:
+        """Bring a prefix of `tokens` longer than any in memory from disk (by
+        `disk_load`), if the disk has one."""
+        key = tuple(tokens)
+        if self._disk is not None and self._disk.best(key)[1] > self._best(key)[1]:
+            disk_load(self, key)
 
     def _explain(self, key: tuple[int, ...], reused: int) -> None:
         found = self._trie.match(key)

@@ -42,8 +42,11 @@ _WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 LayerCache = Any
 
 
-def cache_namespace(model_dir: Path, layers: LayerRange | None) -> str:
-    """A digest of what a cached KV depends on: model files, tokenizer, template, layers."""
+def cache_namespace(
+    model_dir: Path, layers: LayerRange | None, tensor_rank: tuple[int, int] | None = None
+) -> str:
+    """A digest of what a cached KV depends on: model files, tokenizer, template,
+    layers, and which slice of the heads (`tensor_rank`: rank, ranks)."""
     h = hashlib.blake2b(FORMAT.encode(), digest_size=16)
     for path in sorted(model_dir.iterdir()):
         if path.name in _IDENTITY_FILES:
@@ -51,6 +54,8 @@ def cache_namespace(model_dir: Path, layers: LayerRange | None) -> str:
         elif path.suffix in _WEIGHT_SUFFIXES:
             h.update(f"{path.name}\0{path.stat().st_size}".encode())
     h.update(str(layers).encode())
+    if tensor_rank is not None:
+        h.update(f"tensor rank {tensor_rank[0]} of {tensor_rank[1]}".encode())
     return h.hexdigest()
 
 

@@ -88,6 +88,12 @@ class Op(IntEnum):
     LOAD = 14
     LOADED = 15
     PERSIST = 16
+    # Tensor ranks in lockstep (`lockstep.py`): what rank 0's serving loop does.
+    ADD = 17
+    ADDED = 18
+    CANCEL = 19
+    STEP = 20
+    DECIDE = 21
 
 
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int32, mx.uint8)
@@ -192,12 +198,16 @@ class PipelineTask(BaseModel):
     cached_tokens: int
 
     def message(self) -> Message:
-        payload = mx.array(np.frombuffer(self.model_dump_json().encode(), dtype=np.uint8))
-        return Header.for_payload(Op.TASK, payload), payload
+        return json_message(Op.TASK, self)
 
     @staticmethod
     def from_payload(payload: mx.array) -> "PipelineTask":
         return PipelineTask.model_validate_json(np.array(payload).tobytes())
+
+
+def json_message(op: Op, content: BaseModel) -> Message:
+    payload = mx.array(np.frombuffer(content.model_dump_json().encode(), dtype=np.uint8))
+    return Header.for_payload(op, payload), payload
 
 
 def expected(op: Op, message: Message, left: int) -> Message:

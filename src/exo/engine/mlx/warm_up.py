@@ -13,6 +13,7 @@ takes, on caches of their own: the prefix cache is never touched.
 import mlx.core as mx
 
 from exo.engine.mlx.batch import ContinuousBatcher, GenerationFailed, can_batch
+from exo.engine.mlx.cpu_few_rows import KERNEL_ROWS
 from exo.engine.mlx.generate import LocalModel, TextGenerator
 from exo.engine.mlx.sampling import SamplingStep
 from exo.engine.mlx.shard import ShardModel
@@ -32,7 +33,7 @@ def warm_up(model: LocalModel) -> None:
     raises what a request would have failed with."""
     prompt = model.tokenizer.encode(_PROMPT)
     no_eos = {token: -100.0 for token in model.tokenizer.eos_token_ids}  # every row runs its course
-    rows = model.eager_rows + 1
+    rows = min(model.eager_rows, KERNEL_ROWS) + 1  # a tensor rank's is unbounded
     # Replies of different lengths: the batch shrinks one row at a time.
     greedy = [
         GenerationParams(max_tokens=_REPLY_TOKENS + n, temperature=0, logit_bias=no_eos)

@@ -13,8 +13,9 @@ holding layers [S, E) of the model's N (`pipeline_rank.py`). With
 (agreed with the others: see `engine/mlx/pipeline.py`). Rank 0 takes
 `Generate`/`Cancel` and reports task messages; every rank reports its status and
 cache stats, and obeys `Shutdown` and the end of stdin. Without them the runner
-holds the whole model, alone (`whole_model.py`). Both serve their tasks in one
-loop (`serving.py`).
+holds the whole model, alone (`whole_model.py`). With `--tensor` as well (and
+the layers [0, N) of N), the rank holds a slice of every layer instead
+(`tensor_rank.py`). All serve their tasks in one loop (`serving.py`).
 
 Here: the process's statuses from its start (loading) to its end (stopped, or
 failed with the error).
@@ -48,9 +49,11 @@ def runner_command(
     layers: LayerRange | None,
     prefix_cache_dir: Path | None = None,
     prefix_cache_disk_bytes: int = 0,
+    tensor: bool = False,
 ) -> list[str]:
     """The command line that starts a runner: the whole model, or `layers` of it
-    as one rank of a ring (`MLX_HOSTFILE` and `MLX_RANK` set in its environment).
+    as one rank of a ring (`MLX_HOSTFILE` and `MLX_RANK` set in its environment);
+    `tensor`: the rank holds a slice of every layer (`layers` are all of them).
     With `prefix_cache_dir` and disk bytes, the prefix cache keeps entries there."""
     command = [
         sys.executable,
@@ -67,6 +70,8 @@ def runner_command(
     if layers is not None:
         command += ["--start-layer", str(layers.start), "--end-layer", str(layers.end)]
         command += ["--total-layers", str(layers.total)]
+    if tensor:
+        command.append("--tensor")
     return command
 
 
@@ -103,8 +108,10 @@ def _serve(
     prefix_cache_bytes: int,
     layers: LayerRange | None,
     disk: tuple[Path, int] | None,
+    tensor: bool,
 ) -> None:
-    """Load the whole model or one rank's layers, and serve until stopped."""
+    """Load the whole model, one rank's layers or one rank's slice of every
+    layer, and serve until stopped."""
     # Imported here so that a broken MLX install is reported as a failed runner.
     from exo.worker.runner.serving import Runner
 
@@ -113,6 +120,10 @@ def _serve(
         from exo.worker.runner.whole_model import serve_whole_model
 
         serve_whole_model(runner, model_dir, prefix_cache_bytes, disk)
+    elif tensor:
+        from exo.worker.runner.tensor_rank import serve_tensor_rank
+
+        serve_tensor_rank(runner, model_dir, prefix_cache_bytes, disk)
     else:
         from exo.worker.runner.pipeline_rank import serve_rank
 
@@ -140,6 +151,11 @@ def main() -> None:
     parser.add_argument("--start-layer", type=int, help="first layer of this pipeline rank")
     parser.add_argument("--end-layer", type=int, help="end (exclusive) of this rank's layers")
     parser.add_argument("--total-layers", type=int, help="the model's layer count")
+    parser.add_argument(
+        "--tensor",
+        action="store_true",
+        help="this rank holds a slice of every layer; needs MLX_HOSTFILE and MLX_RANK",
+    )
     args = parser.parse_args()
     # Ctrl-C reaches the whole process group; the node stops us via stdin instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -162,7 +178,7 @@ def main() -> None:
     layers: LayerRange | None = None
     try:
         layers = _layers(args)
-        _serve(out, inbox, args.model_dir, args.prefix_cache_bytes, layers, disk)
+        _serve(out, inbox, args.model_dir, args.prefix_cache_bytes, layers, disk, args.tensor)
     except BaseException as error:
         # When the node stops an instance each rank is told so; one that sees a peer
         # leave first was being stopped too, which is no failure.

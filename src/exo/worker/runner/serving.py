@@ -14,18 +14,18 @@ task, waiting ones too, as `runner_lost`, and ends the loop by raising. A stop
 ends it by `StopRequested`, which each role handles where it stops cleanly.
 """
 
-from collections.abc import Callable, Sequence
-from typing import IO, NoReturn, Protocol
+from collections.abc import Callable
+from typing import IO, NoReturn
 
 from loguru import logger
 
 from exo.engine.constraint_grammar import ConstraintError
-from exo.engine.mlx.batch import BatchOutput, GenerationFailed, PromptProgress
+from exo.engine.mlx.batch import Batch, BatchOutput, GenerationFailed, PromptProgress
 from exo.engine.mlx.generate import Finished, GenerationCancelled, TextDelta
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.engine.mlx.ring import PipelineFailure
 from exo.shared.types.ids import TaskId
-from exo.shared.types.tasks import GenerationParams, SampledLogprobs
+from exo.shared.types.tasks import SampledLogprobs
 from exo.worker.runner.inbox import Inbox
 from exo.worker.runner.protocol import (
     CacheStatsReport,
@@ -40,34 +40,6 @@ from exo.worker.runner.protocol import (
 
 # How long an idle runner waits on its inbox before its `keep_alive` runs again.
 IDLE_POLL_SECONDS = 1.0
-
-
-class Batch(Protocol):
-    """What the loop serves tasks with (`ContinuousBatcher`, `OneAtATime`)."""
-
-    @property
-    def max_batch(self) -> int: ...
-
-    @property
-    def idle(self) -> bool: ...
-
-    @property
-    def prefix_cache(self) -> KVPrefixCache | None: ...
-
-    def add(
-        self,
-        task_id: str,
-        tokens: Sequence[int],
-        params: GenerationParams,
-        system_prompt_length: int = 0,
-    ) -> PromptProgress | None:
-        """Take a request; its progress so far, or None when it reports it as it
-        reads its prompt. Raises (and takes nothing) for an invalid request."""
-        ...
-
-    def cancel(self, task_id: str) -> bool: ...
-
-    def step(self) -> list[tuple[str, BatchOutput]]: ...
 
 
 class Runner:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from exo.engine.mlx.batch import ContinuousBatcher, can_batch
+from exo.engine.mlx.batch import Batch, ContinuousBatcher, can_batch
 from exo.engine.mlx.generate import LocalModel, TextGenerator
 from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.one_at_a_time import OneAtATime
@@ -16,7 +16,7 @@ from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
 from exo.engine.mlx.warm_up import warm_up
 from exo.worker.runner.cache_policy import may_persist, memory_pressure
 from exo.worker.runner.inbox import StopRequested
-from exo.worker.runner.serving import Batch, Runner
+from exo.worker.runner.serving import Runner
 
 
 def serve_whole_model(
