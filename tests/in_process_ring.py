@@ -1,7 +1,8 @@
 """A pipeline's ranks as threads of the test process: the real protocol
-(`engine/mlx/pipeline.py`: handshake, tasks, prefix-cache agreement) over a link
-of queues instead of `mx.distributed`, so architectures are covered without a
-process per rank. The ring itself is tested with real processes elsewhere
+(`engine/mlx/ring_agreements.py`, `lockstep.py`, `pipeline.py`: handshake,
+requests, forward passes, draws, prefix-cache agreement) over a link of queues
+instead of `mx.distributed`, so architectures are covered without a process per
+rank. The ring itself is tested with real processes elsewhere
 (tests/integration/test_pipeline.py)."""
 
 import itertools
@@ -13,13 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from exo.engine.mlx.generate import Finished, TextDelta, TextGenerator
+from exo.engine.mlx.batch import Batch, ContinuousBatcher, GenerationFailed, can_batch
+from exo.engine.mlx.generate import Finished, LocalModel, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_model_tokenizer
-from exo.engine.mlx.pipeline import PipelineDriver, PipelineFollower, handshake, ring_prefix_cache
+from exo.engine.mlx.lockstep import Decisions, LockstepBatch, LockstepFollower
+from exo.engine.mlx.one_at_a_time import OneAtATime
+from exo.engine.mlx.pipeline import PipelineStage, RingDraw
 from exo.engine.mlx.prefix_cache import KVPrefixCache, needs_checkpoints
-from exo.engine.mlx.ring import Header, Message, Op, PeerLost, expected
-from exo.engine.mlx.shard import load_shard
+from exo.engine.mlx.ring import Header, Link, Message, Op, PeerLost, expected
+from exo.engine.mlx.ring_agreements import RingLead, handshake, ring_prefix_cache
+from exo.engine.mlx.shard import ShardModel, load_shard
 from exo.shared.types.cache_stats import CacheStats
 from exo.shared.types.shard import LayerRange
 from exo.shared.types.tasks import GenerationParams, Usage
@@ -82,8 +88,11 @@ def run_pipeline(
     bounds: Sequence[int],
     requests: Sequence[tuple[Sequence[int], GenerationParams]],
     cache_bytes: int = 1 << 30,
+    together: bool = False,
 ) -> PipelineRun:
-    """Serve `requests` one after another on ranks holding [bounds[r], bounds[r+1])."""
+    """Serve `requests` on ranks holding [bounds[r], bounds[r+1]): one after
+    another, or with `together` all at once (decoding together where the model's
+    caches batch)."""
     total = bounds[-1]
     ranges = [LayerRange(start=a, end=b, total=total) for a, b in itertools.pairwise(bounds)]
     shards = [load_shard(model_dir, layers) for layers in ranges]
@@ -91,7 +100,7 @@ def run_pipeline(
     inboxes: list[queue.Queue[Message]] = [queue.Queue() for _ in ranges]
     links = [QueueLink(rank, inboxes) for rank in range(len(ranges))]
     caches: list[KVPrefixCache | None] = [
-        ring_prefix_cache(link, cache_bytes, lambda: False) for link in links
+        ring_prefix_cache(link, cache_bytes, lambda: False, lockstep=True) for link in links
     ]
     replies: list[tuple[str, Usage]] = []
     errors: list[BaseException] = []
@@ -108,22 +117,15 @@ def run_pipeline(
             )
             if cache is not None:
                 cache.ends_only = agreed.ends_only
+            batch = pipeline_rank_batch(link, shard, tokenizer, cache)
             if rank > 0:
-                last = tokenizer if link.is_last else None
-                PipelineFollower(link, shard, cache, last).serve()
+                LockstepFollower(link, batch).serve()
                 return
-            driver = PipelineDriver(link, shard)
-            generator = TextGenerator(driver, tokenizer, cache)
-            for tokens, params in requests:
-                text, usage = "", None
-                for output in generator.generate(tokens, params):
-                    if isinstance(output, TextDelta):
-                        text += output.text
-                    elif isinstance(output, Finished):
-                        usage = output.usage
-                assert usage is not None
-                replies.append((text, usage))
-            driver.shutdown()
+            lead = LockstepBatch(batch, link)
+            waves = [list(enumerate(requests))] if together else [[r] for r in enumerate(requests)]
+            for wave in waves:
+                replies.extend(serve_wave(lead, wave))
+            RingLead(link).shutdown()
         except BaseException as error:
             errors.append(error)
             for inbox in inboxes:  # wake the others: they fail on the unexpected message
@@ -141,3 +143,42 @@ def run_pipeline(
     return PipelineRun(
         replies=replies, stats=[cache.stats() for cache in caches if cache is not None]
     )
+
+
+def pipeline_rank_batch(
+    link: Link, shard: ShardModel, tokenizer: TokenizerWrapper, cache: KVPrefixCache | None
+) -> Batch:
+    """A pipeline rank's batch, as `worker/runner/split_rank.py` makes it (no
+    cancellations: nothing here cancels)."""
+    local = LocalModel(PipelineStage(shard, link), tokenizer, lambda step: RingDraw(step, link))
+    local.eager_rows = 1 << 30  # as a split instance rank's
+    generator = TextGenerator(local, tokenizer, cache)
+    decide = Decisions(link)
+    if can_batch(shard.whole_model_caches()):
+        return ContinuousBatcher(generator)
+    return OneAtATime(generator, is_cancelled=lambda task_id: decide(lambda: False))
+
+
+def serve_wave(
+    lead: LockstepBatch, wave: list[tuple[int, tuple[Sequence[int], GenerationParams]]]
+) -> list[tuple[str, Usage]]:
+    """Requests added at once and stepped until all end, as the runner's loop
+    serves them (admitting what the batch has room for); replies in wave order."""
+    texts: dict[str, str] = {}
+    usages: dict[str, Usage] = {}
+    waiting = [(f"request-{n}", request) for n, request in wave]
+    for _ in range(10_000):
+        if not waiting and len(usages) == len(wave):
+            break
+        while waiting and len(texts) - len(usages) < lead.max_batch:
+            task_id, (tokens, params) = waiting.pop(0)
+            texts[task_id] = ""
+            lead.add(task_id, tokens, params)
+        for task_id, output in lead.step():
+            if isinstance(output, TextDelta):
+                texts[task_id] += output.text
+            elif isinstance(output, Finished):
+                usages[task_id] = output.usage
+            elif isinstance(output, GenerationFailed):
+                raise output.error
+    return [(texts[f"request-{n}"], usages[f"request-{n}"]) for n, _ in wave]

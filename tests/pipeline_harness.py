@@ -96,6 +96,7 @@ class TaskResult:
     finished: TaskFinished | None = None
     failed: TaskFailed | None = None
     messages: list[FromRunner] = field(default_factory=list)
+    text_times: list[float] = field(default_factory=list[float])  # monotonic, as read
 
 
 class RunnerProcess:
@@ -181,6 +182,8 @@ class RunnerProcess:
             result.messages.append(message)
             if isinstance(message, TaskText):
                 result.text += message.text
+                if message.text:
+                    result.text_times.append(time.monotonic())
             elif isinstance(message, TaskFinished):
                 result.finished = message
             elif isinstance(message, TaskFailed):

@@ -14,19 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
-from exo.engine.mlx.generate import Finished, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_model_tokenizer
-from exo.engine.mlx.pipeline import (
-    PipelineDriver,
-    PipelineFollower,
-    handshake,
-    ring_prefix_cache,
-)
+from exo.engine.mlx.lockstep import LockstepBatch, LockstepFollower
 from exo.engine.mlx.prefix_cache import KVPrefixCache, needs_checkpoints
 from exo.engine.mlx.ring import join_ring
+from exo.engine.mlx.ring_agreements import RingLead, handshake, ring_prefix_cache
 from exo.engine.mlx.shard import load_shard, model_layer_count
 from exo.shared.types.shard import LayerRange
 from exo.shared.types.tasks import GenerationParams
+from tests.in_process_ring import pipeline_rank_batch, serve_wave
 
 EntryArrays = dict[int, list[np.ndarray]]
 
@@ -80,7 +76,7 @@ def main() -> None:
     total = model_layer_count(args.model_dir)
     layers = LayerRange(start=args.start_layer, end=args.end_layer, total=total)
     shard = load_shard(args.model_dir, layers)
-    cache = ring_prefix_cache(link, args.byte_budget, lambda: False)
+    cache = ring_prefix_cache(link, args.byte_budget, lambda: False, lockstep=True)
     assert cache is not None
     agreed = handshake(
         link, layers, True, timeout=60, checkpoints=needs_checkpoints(shard.make_cache())
@@ -88,25 +84,19 @@ def main() -> None:
     cache.ends_only = agreed.ends_only
     watch = CacheWatch(cache)
     report: dict[str, object] = {"rank": link.rank}
+    batch = pipeline_rank_batch(link, shard, load_model_tokenizer(args.model_dir), cache)
     if link.rank == 0:
-        driver = PipelineDriver(link, shard)
-        generator = TextGenerator(driver, load_model_tokenizer(args.model_dir), cache)
+        lead = LockstepBatch(batch, link)
         results: list[dict[str, object]] = []
-        for request in json.loads(args.requests.read_text()):
+        for n, request in enumerate(json.loads(args.requests.read_text())):
             params = GenerationParams.model_validate(request["params"])
-            text, usage = "", None
-            for output in generator.generate(request["tokens"], params):
-                if isinstance(output, TextDelta):
-                    text += output.text
-                elif isinstance(output, Finished):
-                    usage = output.usage.model_dump()
-            results.append({"text": text, "usage": usage})
+            ((text, usage),) = serve_wave(lead, [(n, (request["tokens"], params))])
+            results.append({"text": text, "usage": usage.model_dump()})
             watch.task_ended()
-        driver.shutdown()
+        RingLead(link).shutdown()
         report["results"] = results
     else:
-        tokenizer = load_model_tokenizer(args.model_dir) if link.is_last else None
-        PipelineFollower(link, shard, cache, tokenizer).serve(on_task_end=watch.task_ended)
+        LockstepFollower(link, batch).serve(on_task_end=watch.task_ended)
     report |= {
         "entries": watch.entries,
         "unchanged": watch.unchanged,

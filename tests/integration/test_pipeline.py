@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from exo.engine.mlx.load import load_model_tokenizer
-from exo.engine.mlx.pipeline import IDLE_SILENCE_SECONDS
+from exo.engine.mlx.ring_agreements import IDLE_SILENCE_SECONDS
 from exo.shared.types.constraints import JsonSchema
 from exo.shared.types.tasks import GenerationParams, SampledLogprob, Usage
 from exo.worker.runner.protocol import FromRunner, TaskFinished, TaskText
@@ -109,20 +109,23 @@ def test_a_bad_constraint_fails_only_its_task_and_logprobs_cross_the_ring(
         )
 
 
-def test_cancel_stops_every_rank_and_drops_a_queued_task(tiny_dir: Path, tmp_path: Path) -> None:
+def test_cancel_stops_every_rank_and_the_others_batched_with_it_go_on(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
     with running_pipeline(tiny_dir, tmp_path, even_bounds(TINY_LAYERS, 2)) as pipeline:
         entry, follower = pipeline.ranks
         entry.submit("endless", LONG_PROMPT[:50], ENDLESS)
-        entry.submit("queued", LONG_PROMPT[:60], GREEDY)
+        entry.submit("beside", LONG_PROMPT[:60], GREEDY.model_copy(update={"max_tokens": 40}))
         entry.wait_for(is_chunk_of("endless"), 30)
-        entry.cancel("queued")
+        entry.wait_for(is_chunk_of("beside"), 30)
         entry.cancel("endless")
-        cancelled = entry.collect("endless", 10)
+        cancelled, beside = entry.collect_all(["endless", "beside"], 30)
         assert cancelled.failed is not None and cancelled.failed.error == "cancelled"
-        # The ring is in step again: the next task runs; the cancelled queued one never did.
+        # The request decoding beside it is not disturbed, and the ranks are in
+        # step again: the next task runs.
+        assert beside.finished is not None and beside.finished.usage.completion_tokens == 40
         text, usage = entry.generate("after", LONG_PROMPT[:40], GREEDY)
         assert text and usage.completion_tokens == GREEDY.max_tokens
-        assert not [m for m in entry.received if getattr(m, "task_id", None) == "queued"]
         statuses = lambda: [s.status for s in follower.statuses]  # noqa: E731
         wait_until(lambda: statuses()[-1] == "ready", 10, "the follower to finish the task")
         assert statuses().count("running") == 2

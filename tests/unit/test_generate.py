@@ -22,7 +22,7 @@ from exo.engine.mlx.generate import (
     TextGenerator,
 )
 from exo.engine.mlx.load import load_for_inference
-from exo.engine.mlx.prefix_cache import KVPrefixCache, PrefixMatch
+from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.shared.types.constraints import JsonSchema
 from exo.shared.types.tasks import GenerationParams, SampledLogprob
 from tests.constraint_examples import PERSON, WEATHER_ARGUMENTS, WEATHER_CALL
@@ -133,11 +133,10 @@ def test_decode_ahead_draws_what_one_step_at_a_time_draws(
     model, tokenizer = tiny
     forward = LocalModel(model, tokenizer)
     tokens = prompt(20)
-    miss = PrefixMatch(entry_id=None, usable=0, prompt_length=len(tokens))
     drawn: list[list[int]] = []
     for ahead in (True, False):
         layers = forward.make_cache()
-        with forward.request(tokens, params, 0, miss):
+        with forward.request(tokens, params):
             forward.prefill(tokens[:-1], layers)
             first = forward.next_token(tokens[-1], layers)
             if ahead:
@@ -245,7 +244,7 @@ def test_decode_hands_out_a_token_before_computing_the_next_when_the_forward_is_
     forward.eager_rows = 1 if eager else 0
     tokens = prompt(20)
     layers = forward.make_cache()
-    with forward.request(tokens, GREEDY, 0, PrefixMatch(None, 0, len(tokens))):
+    with forward.request(tokens, GREEDY):
         forward.prefill(tokens[:-1], layers)
         first = forward.next_token(tokens[-1], layers)
         fed: list[int] = []

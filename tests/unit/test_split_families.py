@@ -25,6 +25,8 @@ FIRST_TURN = (
     "the configuration, and explain in two sentences what it does with missing keys."
 )
 SECOND_TURN = " Now rewrite it so that a missing key raises a clear error."
+# Requests in flight at once on a split instance.
+CONCURRENT = 4
 
 
 def greedy(tokenizer: TokenizerWrapper) -> GenerationParams:
@@ -68,8 +70,16 @@ def test_every_family_splits_into_ranks_that_reply_as_the_whole_model(
     for bounds in ([0, 3, 6], [0, 1, 4, 6]):
         run = run_pipeline(model_dir, bounds, [(prompt, params) for prompt in prompts])
         assert [text for text, _ in run.replies] == [text for text, _ in whole], bounds
-        first, second = (usage for _, usage in run.replies)
-        assert first.cached_tokens == 0
-        assert second.cached_tokens == whole[1][1].cached_tokens, bounds
+        assert run.replies[0][1].cached_tokens == 0
+        assert run.replies[1][1].cached_tokens == whole[1][1].cached_tokens, bounds
         # The hit is every rank's: each restored its own layers of the entry.
         assert [(s.misses, s.memory_hits) for s in run.stats] == [(1, 1)] * (len(bounds) - 1)
+    # Concurrent requests decode together on the ranks, each exactly as alone.
+    first = prompts[0]
+    requests = [
+        (first[: len(first) - 3 * n], params.model_copy(update={"max_tokens": 6 + 2 * n}))
+        for n in range(CONCURRENT)
+    ]
+    alone = run_pipeline(model_dir, [0, 3, 6], requests, cache_bytes=0)
+    together = run_pipeline(model_dir, [0, 3, 6], requests, cache_bytes=0, together=True)
+    assert [text for text, _ in together.replies] == [text for text, _ in alone.replies]

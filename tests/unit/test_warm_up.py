@@ -8,12 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from exo.engine.mlx.shard import load_shard
-from exo.engine.mlx.warm_up import warm_up_shard
-from exo.shared.types.shard import LayerRange
-
 # Timing noise allowance on a shared machine, on top of the ratio.
 SLOWER_AT_MOST = 1.5
 NOISE_SECONDS = 0.15
@@ -35,7 +29,7 @@ model_dir, caches, warm = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:4]], s
 model, tokenizer = load_for_inference(model_dir)
 local = LocalModel(model, tokenizer)
 if warm:
-    warm_up(local)
+    warm_up(local, True)
 no_eos = {tokenizer.eos_token_id: -100.0}
 greedy = GenerationParams(max_tokens=24, temperature=0, logit_bias=no_eos)
 drawn = GenerationParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, logit_bias=no_eos)
@@ -86,9 +80,3 @@ def test_after_warm_up_a_cold_process_s_first_request_compiles_nothing_and_is_no
     first, second, compiled = first_and_second(tiny_model_dir, tmp_path, warm=True)
     assert compiled == []
     assert first <= SLOWER_AT_MOST * second + NOISE_SECONDS, (first, second)
-
-
-@pytest.mark.parametrize("layers", [(0, 1), (1, 2), (0, 2)], ids=["first", "last", "whole"])
-def test_warm_up_shard_runs_each_rank_s_part(tiny_model_dir: Path, layers: tuple[int, int]) -> None:
-    """The first rank embeds, a later one takes hidden states, the last one samples."""
-    warm_up_shard(load_shard(tiny_model_dir, LayerRange(start=layers[0], end=layers[1], total=2)))

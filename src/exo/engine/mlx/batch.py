@@ -1,4 +1,5 @@
-"""Continuous batching: the requests a whole-model runner holds decode together.
+"""Continuous batching: the requests a runner holds decode together (a whole
+model's, or every rank's of a split instance, in lockstep: `lockstep.py`).
 
 Each `step()` is a bounded piece of work: prompt reading worth one prefill chunk
 (a chunk of the oldest request still reading its prompt, or the short prompts
@@ -38,7 +39,7 @@ so turning tokens into text overlaps the model. A row that ends at EOS or a stop
 string has had one more step computed for it, which is dropped; that step puts
 its last token's KV in the cache, so the stored reply keeps its end-of-turn
 token. A batch of up to the model's `eager_rows` is the exception: its tokens
-are read back in the step that drew them (`Forward.eager_rows` says why and
+are read back in the step that drew them (`LocalModel.eager_rows` says why and
 what becomes of a reply's last token).
 """
 
@@ -49,12 +50,10 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from exo.engine.mlx.constrained import request_sampling
 from exo.engine.mlx.generate import (
     DECODE_STREAM,
     Finished,
     GenerationOutput,
-    LocalModel,
     TextGenerator,
     TextStream,
 )
@@ -138,8 +137,6 @@ class ContinuousBatcher:
     """Serves many requests at once on a `LocalModel`; see the module docstring."""
 
     def __init__(self, generator: TextGenerator, max_batch: int = MAX_BATCH) -> None:
-        if not isinstance(generator.forward, LocalModel):
-            raise TypeError("continuous batching runs on a model this process holds whole")
         self._generator = generator
         self._model = generator.forward
         self.max_batch = max_batch
@@ -176,7 +173,7 @@ class ContinuousBatcher:
             tokens=tokens,
             params=params,
             layers=layers,
-            sampling=request_sampling(params, tokens, generator.tokenizer),
+            sampling=self._model.sampling_for(params, tokens),
             stream=TextStream(generator.tokenizer, params, len(tokens), match.usable),
             checkpoints=generator.prefix_cache is not None
             and generator.prefix_cache.needs_checkpoints(layers),
@@ -359,7 +356,7 @@ class ContinuousBatcher:
                 failed.add(row)
         PendingToken.async_eval_all([p for p in drawn if isinstance(p, PendingToken)])
         # Rows that fed their last prompt token: their first token is read back
-        # now. So are a batch's of up to `eager_rows` (`Forward.eager_rows`).
+        # now. So are a batch's of up to `eager_rows` (`LocalModel.eager_rows`).
         eager = len(rows) <= self._model.eager_rows
         new = {row for row in rows if eager or not row.generated}
         failed |= self._read_back([row for row in rows if row not in failed], outputs)

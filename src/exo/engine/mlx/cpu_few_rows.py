@@ -18,7 +18,7 @@ and up do), ~50 µs each.
 
 Consequences for callers:
 - A forward pass of up to `KERNEL_ROWS` rows runs as it is built (`eager_rows`);
-  `Forward.eager_rows` (`generate.py`) says what decode loops make of that.
+  `LocalModel.eager_rows` (`generate.py`) says what decode loops make of that.
 - The kernel sums in another order than `sgemm`: a row's logits alone (or in a
   batch of up to `KERNEL_ROWS`) and in a bigger batch agree to float32 rounding
   (~1e-4), not bit for bit, so a greedy near-tie may resolve differently.
@@ -158,6 +158,6 @@ def use_kernel_for_few_rows(model: nn.Module) -> nn.Module:
 
 def eager_rows(model: nn.Module) -> int:
     """Up to how many rows `model`'s forward pass runs as it is built (0: none,
-    MLX's lazy graph throughout): its `Forward.eager_rows`."""
+    MLX's lazy graph throughout): its `LocalModel.eager_rows`."""
     swapped = any(isinstance(m, FewRowsLinear | FewRowsEmbedding) for m in model.modules())
     return KERNEL_ROWS if swapped else 0

@@ -1,7 +1,7 @@
-"""Text generation: one loop over a `Forward`, the KV prefix cache consulted first.
-
-The loop is the same whether the whole model runs here (`LocalModel`) or this
-process is rank 0 of a pipeline (`pipeline.PipelineDriver`):
+"""Text generation: one loop over a `LocalModel`, the KV prefix cache consulted
+first. The loop is the same whether the whole model runs here or this process is
+one rank of a split instance, where every rank runs it in lockstep
+(`lockstep.py`):
 
 1. the prefix cache restores the longest cached prefix of the prompt (or misses);
 2. the rest of the prompt but its last token is prefilled in chunks, with
@@ -24,9 +24,8 @@ string too), EOS never.
 """
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -76,88 +75,51 @@ class Finished:
 GenerationOutput = TextDelta | Finished
 
 
-class Forward(Protocol):
-    """The forward passes of one model, as the generation loop runs them: the
-    whole model here (`LocalModel`), or rank 0 driving a pipeline whose other
-    ranks run their layers on what it sends (`pipeline.PipelineDriver`)."""
-
-    @property
-    def eager_rows(self) -> int:
-        """Up to how many rows (requests decoding together) a forward pass runs as
-        it is built, not when its result is awaited (0: never).
-
-        What decode makes of it, said here only: up to this many rows a step has
-        nothing to overlap, so a decode loop hands out the tokens a step drew
-        before it builds the next step (each token goes out in the step that
-        computed it). A reply's last token is then never fed in: the stored reply
-        stops one token short, and the next turn reads that token along with its
-        new ones (cheaper than a closing step spent on it). Beyond it, a loop
-        builds the next step on the drawn tokens before reading them back, so
-        turning tokens into text overlaps the model; a reply that ends has had
-        one more step computed for it, which is dropped, and its stored reply
-        keeps its last token."""
-        ...
-
-    def make_cache(self) -> list[LayerCache]:
-        """Empty cache objects for the layers this process holds."""
-        ...
-
-    def request(
-        self,
-        tokens: Sequence[int],
-        params: GenerationParams,
-        system_prompt_length: int,
-        match: PrefixMatch,
-    ) -> AbstractContextManager[None]:
-        """One request's span; the other calls happen inside it. Its `SamplingStep`
-        is made from `params` where the logits are; `match` is this process's
-        prefix-cache decision (a pipeline's ranks check theirs against it)."""
-        ...
-
-    def prefill(self, tokens: Sequence[int], layers: list[LayerCache]) -> None:
-        """Append the KV of `tokens` to `layers`; returns once this process's
-        share is computed (a pipeline's later ranks may still be on it)."""
-        ...
-
-    def next_token(self, token: int, layers: list[LayerCache]) -> SampledToken:
-        """Forward `token` and draw the next one; nothing is computed ahead."""
-        ...
-
-    def decode(
-        self, token: int, layers: list[LayerCache], max_tokens: int
-    ) -> Iterator[SampledToken]:
-        """Up to `max_tokens` tokens after `token`, each but maybe the last fed
-        back in (`eager_rows` says which, and whether a step is computed ahead)."""
-        ...
-
-    def storing(self, tokens: Sequence[int], prompt_length: int) -> None:
-        """The loop is about to store the KV of `tokens`: the prompt, or the prompt
-        and the reply after it (a pipeline's ranks store theirs)."""
-        ...
-
-
 class LocalModel:
-    """`Forward` on a whole model loaded in this process (the tokenizer compiles
-    requests' constraints)."""
+    """The forward passes of a model this process calls, as the generation loop
+    runs them: the whole model, or this rank's part of a split one
+    (`tensor.RankZeroLogits`, `pipeline.PipelineStage`). The tokenizer compiles
+    requests' constraints; `relay` wraps each request's `SamplingStep` (a
+    pipeline's ranks take the tokens its last rank draws).
 
-    def __init__(self, model: nn.Module, tokenizer: TokenizerWrapper) -> None:
+    `eager_rows`: up to how many rows (requests decoding together) a forward
+    pass runs as it is built, not when its result is awaited (0: never). What
+    decode makes of it, said here only: up to this many rows a step has nothing
+    to overlap, so a decode loop hands out the tokens a step drew before it
+    builds the next step (each token goes out in the step that computed it). A
+    reply's last token is then never fed in: the stored reply stops one token
+    short, and the next turn reads that token along with its new ones (cheaper
+    than a closing step spent on it). Beyond it, a loop builds the next step on
+    the drawn tokens before reading them back, so turning tokens into text
+    overlaps the model; a reply that ends has had one more step computed for
+    it, which is dropped, and its stored reply keeps its last token. A split
+    instance's ranks set it unbounded: their messages and collectives must not
+    cross a step computed ahead.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: TokenizerWrapper,
+        relay: Callable[[SamplingStep], SamplingStep] = lambda step: step,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.eager_rows = eager_rows(model)  # the CPU kernel's (`Forward.eager_rows`)
+        self.eager_rows = eager_rows(model)  # the CPU kernel's
+        self._relay = relay
         self._sampling: SamplingStep | None = None
+
+    def sampling_for(self, params: GenerationParams, tokens: Sequence[int]) -> SamplingStep:
+        """A request's sampling step; raises for an uncompilable constraint."""
+        return self._relay(request_sampling(params, tokens, self.tokenizer))
 
     def make_cache(self) -> list[LayerCache]:
         return make_prompt_cache(self.model)
 
     @contextmanager
-    def request(
-        self,
-        tokens: Sequence[int],
-        params: GenerationParams,
-        system_prompt_length: int,
-        match: PrefixMatch,
-    ) -> Iterator[None]:
-        self._sampling = request_sampling(params, tokens, self.tokenizer)
+    def request(self, tokens: Sequence[int], params: GenerationParams) -> Iterator[None]:
+        """One request's span, its `SamplingStep` set; the other calls happen inside it."""
+        self._sampling = self.sampling_for(params, tokens)
         try:
             yield
         finally:
@@ -189,7 +151,7 @@ class LocalModel:
         current = step(mx.array([token]))
         current.async_eval()
         for n in range(max_tokens):
-            if self.eager_rows:  # out before the next step: `Forward.eager_rows`
+            if self.eager_rows:  # out before the next step: see the class docstring
                 yield current.resolve()
             upcoming = step(current.token) if n + 1 < max_tokens else None
             if upcoming is not None:
@@ -202,16 +164,13 @@ class LocalModel:
                 return
             current = upcoming
 
-    def storing(self, tokens: Sequence[int], prompt_length: int) -> None:
-        pass  # this process holds every layer: the loop's store is the only one
-
 
 class TextGenerator:
-    """Generates text for one request at a time through a `Forward`."""
+    """Generates text for one request at a time through a `LocalModel`."""
 
     def __init__(
         self,
-        forward: Forward,
+        forward: LocalModel,
         tokenizer: TokenizerWrapper,
         prefix_cache: KVPrefixCache | None,
         prefill_step_tokens: int = PREFILL_STEP_TOKENS,
@@ -230,7 +189,7 @@ class TextGenerator:
         on_progress: Callable[[int, int], None] = lambda done, total: None,
     ) -> Iterator[GenerationOutput]:
         match, layers = self.start(tokens, params)
-        with self.forward.request(tokens, params, system_prompt_length, match):
+        with self.forward.request(tokens, params):
             chunks = self.prefill_chunks(
                 tokens[:-1], match.usable, layers, self.checkpoint_at(system_prompt_length, layers)
             )
@@ -261,8 +220,7 @@ class TextGenerator:
         if not tokens:
             raise ValueError("the prompt has no tokens")
         if params.constraint is not None:
-            # Fails the task before any work (in a pipeline the last rank compiles
-            # the same grammar again: it cannot fail there then).
+            # Fails the task before any work.
             compile_constraint(self.tokenizer, params.constraint)
         return resume(self.prefix_cache, tokens, self.forward.make_cache)
 
@@ -292,7 +250,6 @@ class TextGenerator:
             self.forward.prefill(chunk, layers)
             done += len(chunk)
             if done == checkpoint and self.prefix_cache is not None:
-                self.forward.storing(tokens[:done], done)
                 self.prefix_cache.store(tokens[:done], layers)
             yield done
 
@@ -320,7 +277,6 @@ class TextGenerator:
         """For caches that cannot be cut back: keep the prompt's state before the
         reply (the next turn's template may rewrite the assistant turn)."""
         if self.prefix_cache is not None and self.prefix_cache.needs_checkpoints(layers):
-            self.forward.storing(tokens, len(tokens))
             self.prefix_cache.store(tokens, layers)
 
     def store_reply(
@@ -332,7 +288,6 @@ class TextGenerator:
         if self.prefix_cache is None or held is None or held < len(tokens):
             return
         sequence = [*tokens, *generated][:held]
-        self.forward.storing(sequence, len(tokens))
         self.prefix_cache.store(sequence, layers)
 
 

@@ -1,13 +1,14 @@
-"""Tensor ranks in lockstep: every rank runs the same serving loop on the same
-requests, rank 0 deciding.
+"""A split instance's ranks in lockstep: every rank runs the same serving loop on
+the same requests, rank 0 deciding.
 
-A tensor rank holds a slice of every layer (`tensor.py`), so every forward pass
-runs on all ranks at once, their `all_sum`s pairing up. Rather than a protocol
-of its own for prefill, batching, sampling, stops, constraints and the prefix
-cache, each rank runs the whole-model serving machinery (`batch.py`'s
-`ContinuousBatcher`, or `OneAtATime` where the caches do not batch) on its
-slice, and rank 0 hands the others, around the ring (`ring.py`), each call its
-serving loop makes:
+A forward pass runs on all ranks at once: a tensor rank holds a slice of every
+layer (`tensor.py`), the ranks' `all_sum`s pairing up; a pipeline rank holds
+some layers and hands the hidden states on (`pipeline.py`). Rather than a
+protocol of its own for prefill, batching, sampling, stops, constraints and the
+prefix cache, each rank runs the whole-model serving machinery (`batch.py`'s
+`ContinuousBatcher`, or `OneAtATime` where the caches do not batch) on its part
+of the model, and rank 0 hands the others, around the ring (`ring.py`), each
+call its serving loop makes:
 
 - `ADD` (the task, with a seed filled in when the request has none, so every
   rank draws alike) and then `ADDED` (whether rank 0's batch took it: a request
@@ -16,16 +17,16 @@ serving loop makes:
 - `DECIDE` for what only rank 0 can know mid-step: whether a request was
   cancelled (`OneAtATime` asks between prefill chunks and tokens).
 
-Everything else follows: the same tokens in, the same logits out (rank 0's,
-`tensor.RankZeroLogits`), so the same tokens are drawn, the same rows end, the
-same prefix-cache entries are stored, and evictions are agreed around the ring
-as a pipeline's are. The disk tier is read only outside the ranks' lookups:
-rank 0 brings a longer prefix from disk into every rank's memory (`LOAD`, as a
-pipeline's rank 0 does) before it sends `ADD`.
+Everything else follows: the same tokens in, the same tokens drawn (from rank
+0's logits on tensor ranks, `tensor.RankZeroLogits`; by the last pipeline rank,
+`pipeline.RingDraw`), so the same rows end, the same prefix-cache entries are
+stored, and evictions are agreed around the ring (`ring_agreements.py`). The
+disk tier is read only outside the ranks' lookups: rank 0 brings a longer
+prefix from disk into every rank's memory (`LOAD`) before it sends `ADD`.
 
-Messages share the ring with the forward passes' `all_sum`s, so nothing may be
-in flight when one goes: a tensor rank's decode reads each step's tokens back
-within the step (`eager_rows`), never computing a step ahead.
+Messages share the ring with the forward passes, so nothing may be in flight
+when one goes: a rank's decode reads each step's tokens back within the step
+(`LocalModel.eager_rows` unbounded), never computing a step ahead.
 """
 
 import secrets
@@ -35,12 +36,6 @@ import numpy as np
 from pydantic import BaseModel
 
 from exo.engine.mlx.batch import Batch, BatchOutput, PromptProgress
-from exo.engine.mlx.pipeline import (
-    IDLE_SILENCE_SECONDS,
-    STEP_SECONDS,
-    RingDiskLoad,
-    answer_load,
-)
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.engine.mlx.ring import (
     Header,
@@ -50,6 +45,12 @@ from exo.engine.mlx.ring import (
     PipelineFailure,
     ids_of,
     json_message,
+)
+from exo.engine.mlx.ring_agreements import (
+    IDLE_SILENCE_SECONDS,
+    STEP_SECONDS,
+    RingDiskLoad,
+    answer_load,
 )
 from exo.shared.types.tasks import GenerationParams
 

@@ -1,10 +1,8 @@
 """A batch of one: `TextGenerator.generate` behind the interface of
 `batch.ContinuousBatcher`, so that one serving loop serves both.
 
-For what cannot batch: rank 0 of a pipeline (its `PipelineDriver` carries one
-request around the ring at a time) and a whole model whose caches have no
-batched form. Each `step()` advances the reply by one output; the first step
-reads the whole prompt. Its progress goes out through `on_progress` as it is
+For a model whose caches have no batched form. Each `step()` advances the reply
+by one output; the first step reads the whole prompt. Its progress goes out through `on_progress` as it is
 read, not with the step's outputs, and `is_cancelled` is asked between chunks
 and between tokens: during a long prefill that is when the caller reads its
 inbox (a cancellation, or a stop, which it raises through `generate`).
@@ -16,7 +14,6 @@ from typing import cast
 from exo.engine.mlx.batch import BatchOutput, GenerationFailed
 from exo.engine.mlx.generate import Finished, GenerationOutput, TextGenerator
 from exo.engine.mlx.prefix_cache import KVPrefixCache
-from exo.engine.mlx.ring import PipelineFailure
 from exo.shared.types.tasks import GenerationParams
 
 # `TextGenerator.generate` is a generator function: `close()` ends a reply early.
@@ -75,7 +72,7 @@ class OneAtATime:
             return False
         _, reply = self._reply
         self._reply = None
-        reply.close()  # ends the request where it stands (a pipeline's `END` too)
+        reply.close()  # ends the request where it stands
         return True
 
     def step(self) -> list[tuple[str, BatchOutput]]:
@@ -92,9 +89,6 @@ class OneAtATime:
                 outputs += [(task_id, rest) for rest in reply]
                 self._reply = None
             return outputs
-        except PipelineFailure:  # the ring is gone: no request's failure, every one's
-            self._reply = None
-            raise
         except Exception as error:
             self._reply = None
             return [(task_id, GenerationFailed(error))]

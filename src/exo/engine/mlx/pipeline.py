@@ -1,469 +1,117 @@
-"""Pipeline-parallel generation over a ring of ranks (messages and link: `ring.py`).
-
-Rank r holds layers [start_r, end_r) (see `shard.py`). Every message travels
-one way around the ring, from a rank to the next, and the last rank's "next"
-is rank 0:
+"""Pipeline ranks: rank r holds layers [start_r, end_r) of the model (`shard.py`),
+and a forward pass goes from rank to rank around the ring (`ring.py`):
 
     rank 0 ──► rank 1 ──► … ──► rank N-1 ──┐
-      ▲                                     │ (replies: token, acks)
+      ▲                                     │ (the tokens drawn)
       └─────────────────────────────────────┘
 
-Start: `HELLO` goes around with each rank's layers (they must cover the model
-in order), whether it caches prefixes (all or none), whether every rank so far
-keeps a disk tier and whether any rank's layers cannot be cut back (sliding
-window, SSM state), then `START`, which tells all whether every rank keeps a
-disk tier (else none uses its own) and whether every rank's prefix cache must
-restore entries only at their ends (a rank holding only layers that can be cut
-back would otherwise decide other hits than one that cannot).
+Every rank runs the same serving loop on the same requests, rank 0 deciding
+(`lockstep.py`); what differs on a pipeline rank is what a forward pass is
+(`PipelineStage`) and who draws the tokens (`RingDraw`):
 
-Rank 0 drives: it is the generation loop's `Forward` (`generate.py`). It sends a
-task (token ids, sampling parameters, its prefix-cache decision), prefills the
-prompt in chunks (rank r works on chunk k while rank r-1 is already on chunk
-k+1), and for every token sends one `FORWARD`; the last rank samples and
-replies with one `TOKEN` (with the logprobs when the task asks for them)
-before rank 0 sends the next `FORWARD`, so at most one step is in flight.
-The last rank holds the tokenizer too: it compiles the task's constraint and
-masks the logits with it, and keeps what the penalties need (prompt and reply
-tokens) exactly as a single runner does. A task ends with `END` around the
-ring, which is also how a cancellation reaches every rank. While idle rank 0 sends a heartbeat
-around every second. `SHUTDOWN` around the ring stops every rank.
-
-Prefix cache: every rank caches its own layers' KV of the same entries. Lookups
-depend only on the token ids and the order of tasks, so all ranks decide alike
-(each checks its decision against rank 0's, sent with the task). After the
-first token `STORE` makes every rank store the prompt, and after decode the
-prompt and reply (`STORE` carries how many tokens and the reply's ids); evictions are agreed in
-rounds of `EVICT` (the union of every rank's victims, gathered around the ring)
-and `EVICTED` (handed around again), so no rank keeps an entry another dropped.
-
-Disk tier: each rank keeps its own layers' share of an entry in its own folder
-(the namespace names its layers), the file named by the entry's key (a digest of
-its tokens). After `START` the ranks gather the keys every one of them holds
-(`DISK_KEYS`, intersected around the ring) and hand the result around
-(`DISK_AGREED`); each removes the rest. Only rank 0 looks on disk: when a longer
-prefix is there it sends `LOAD` with the key before the task, each rank reads its
-file and passes on whether all so far could, and `LOADED` hands the verdict
-around: all store the entry, or all remove the file (a corrupt or missing share)
-and rank 0 tries the next best file, down to a miss. Evicted entries are written
-by each rank as it drops them (evictions are agreed); while idle rank 0 names the
-entry to write (`PERSIST`, passed on by each rank once written, so the ack says
-all did: one entry at a time, as a single runner writes); on a clean stop every
-rank writes the rest. Whatever the ranks did not write alike is dropped at the
-next start's key agreement.
-
-Failure: a rank that loses a neighbour, or hears nothing within a bound, raises
-`PeerLost` and its runner exits, which closes its own sockets, so a failure
-spreads around the ring.
+- rank 0 embeds the tokens and runs its layers, sends the hidden states on
+  (`FORWARD`, one row per request of the batch) and returns; rank r runs its
+  layers on what it receives and sends them on; the last rank runs its layers,
+  the final norm and the head: the logits. A prompt is read in chunks, and as a
+  rank returns once it has sent a chunk, rank r works on chunk k while rank r-1
+  is already on chunk k+1.
+- the last rank draws each row's token with the request's own `SamplingStep`
+  (constraint mask, penalties, seed, logprobs) and sends it (`TOKEN`, with its
+  logprobs when asked for) to rank 0, which hands it on to the ranks before the
+  last. Every rank then feeds the same tokens back and decides alike where a
+  reply ends and what the prefix cache stores. A draw that fails (a request's
+  own fault, e.g. a `logit_bias` outside the vocabulary) fails alike everywhere:
+  the last rank sends the error instead.
 """
 
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.tokenizer_utils import TokenizerWrapper
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache
 
-from exo.engine.mlx.constrained import request_sampling
-from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, PrefixMatch, resume
-from exo.engine.mlx.prefix_cache_disk import DiskTier
-from exo.engine.mlx.ring import (
-    Header,
-    Link,
-    Op,
-    PipelineError,
-    PipelineTask,
-    ids_message,
-    ids_of,
-    keys_message,
-    keys_of,
-    sampled_of,
-    token_message,
-)
-from exo.engine.mlx.sampling import SampledToken, SamplingStep
+from exo.engine.mlx.prefix_cache import LayerCache
+from exo.engine.mlx.ring import Header, Link, Op, PipelineError, sampled_of, token_message
+from exo.engine.mlx.ring_agreements import STEP_SECONDS
+from exo.engine.mlx.sampling import PendingToken, SamplingStep
 from exo.engine.mlx.shard import ShardModel
-from exo.shared.types.shard import LayerRange
-from exo.shared.types.tasks import GenerationParams
-
-HEARTBEAT_SECONDS = 1.0
-# A follower that hears nothing this long while idle (heartbeats come every
-# second) concludes rank 0 is gone.
-IDLE_SILENCE_SECONDS = 10.0
-# Within a task a rank waits for its neighbour's work: a prefill chunk on each
-# rank before it, or a whole round of the ring.
-STEP_SECONDS = 120.0
-# The handshake waits for every rank to load its weights.
-LOAD_SECONDS = 600.0
 
 
-@dataclass(frozen=True)
-class RingAgreement:
-    """What the handshake settled for every rank."""
+class PipelineStage(nn.Module):
+    """This rank's part of every forward pass, called as the whole model is: the
+    logits on the last rank; elsewhere a placeholder, as the last rank draws.
 
-    disk: bool  # every rank keeps a disk tier (else none uses its own)
-    # Some rank's layers cannot be cut back (sliding window, SSM state): every
-    # rank's prefix cache restores entries only at their ends, so all decide alike.
-    ends_only: bool
+    Its caches are its layers' and, last, a counter: a KV cache of one scalar
+    per token, fed as an attention layer's is. How many tokens the caches hold
+    decides what the prefix cache stores (`prefix_cache.cached_length`), and a rank
+    whose layers all keep a fixed-size state (linear attention, SSM) could not
+    tell otherwise; every rank must decide alike."""
 
-
-def handshake(
-    link: Link,
-    layers: LayerRange,
-    cache_on: bool,
-    timeout: float = LOAD_SECONDS,
-    interrupt: Callable[[], None] = lambda: None,
-    disk_on: bool = False,
-    checkpoints: bool = False,
-    every_layer: bool = False,
-) -> RingAgreement:
-    """Check that the ranks' layers cover the model in order (`every_layer`:
-    tensor ranks, each holding a slice of every layer) and that all of them
-    cache prefixes or none does; returns once every rank has loaded its shard,
-    with what all agreed: whether every rank keeps a disk tier, whether any
-    rank's layers need checkpoints (`checkpoints`: this rank's do)."""
-    cache_bit = int(cache_on)
-    disk_bit = int(cache_on and disk_on) << 1
-    checkpoint_bit = int(checkpoints) << 2
-    mine = Header(
-        Op.HELLO, flag=cache_bit | disk_bit | checkpoint_bit, value=layers.end, total=layers.total
-    )
-    if every_layer and not (layers.is_first and layers.is_last):
-        raise PipelineError(f"a tensor rank holds every layer, not {layers}")
-    if link.rank == 0:
-        if not layers.is_first:
-            raise PipelineError(f"rank 0 must start at layer 0, not {layers.start}")
-        link.send(mine)
-        hello, _ = link.expect(Op.HELLO, timeout, interrupt)
-        if hello.value != layers.total:
-            raise PipelineError(f"the last rank ends at layer {hello.value} of {layers.total}")
-        agreed = RingAgreement(disk=bool(hello.flag & 2), ends_only=bool(hello.flag & 4))
-        link.send(Header(Op.START, flag=int(agreed.disk) | int(agreed.ends_only) << 1))
-        return agreed
-    hello, _ = link.recv(timeout, interrupt)
-    expected = (Op.HELLO, layers.end if every_layer else layers.start, layers.total, cache_bit)
-    if (hello.op, hello.value, hello.total, hello.flag & 1) != expected:
-        raise PipelineError(
-            f"rank {link.rank} holds {layers} (prefix cache {'on' if cache_on else 'off'}), "
-            f"but rank {link.left} sent {hello.op.name} for layer {hello.value} of "
-            f"{hello.total} (prefix cache {'on' if hello.flag & 1 else 'off'})"
-        )
-    if link.is_last and not layers.is_last:
-        raise PipelineError(f"the last rank ends at layer {layers.end} of {layers.total}")
-    # Disk: all so far (and); checkpoints: any so far (or).
-    link.send(
-        replace(mine, flag=cache_bit | (hello.flag & disk_bit) | ((hello.flag | mine.flag) & 4))
-    )
-    start, _ = link.expect(Op.START, timeout, interrupt)
-    if not link.is_last:
-        link.send(start)
-    return RingAgreement(disk=bool(start.flag & 1), ends_only=bool(start.flag & 2))
-
-
-def agree_disk_entries(
-    link: Link, cache: KVPrefixCache, interrupt: Callable[[], None] = lambda: None
-) -> None:
-    """Right after the handshake, on ranks with a disk tier: every rank keeps only
-    the disk entries all of them hold (their keys intersected around the ring)."""
-    mine = cache.disk_keys()
-    if link.rank == 0:
-        link.send(*keys_message(Op.DISK_KEYS, mine))
-        _, payload = link.expect(Op.DISK_KEYS, STEP_SECONDS, interrupt)
-        agreed = keys_of(payload)
-        link.send(*keys_message(Op.DISK_AGREED, agreed))
-    else:
-        _, payload = link.expect(Op.DISK_KEYS, STEP_SECONDS, interrupt)
-        link.send(*keys_message(Op.DISK_KEYS, keys_of(payload) & mine))
-        _, payload = link.expect(Op.DISK_AGREED, STEP_SECONDS, interrupt)
-        agreed = keys_of(payload)
-        if not link.is_last:
-            link.send(*keys_message(Op.DISK_AGREED, agreed))
-    cache.retain_disk(agreed)
-
-
-class RingDiskLoad:
-    """Rank 0's `DiskLoad`: the best disk entry for a prompt comes into every rank's
-    memory only if every rank can read its share (`LOAD` gathers whether each can,
-    `LOADED` hands the verdict around); otherwise every rank removes the file and
-    the next best is tried. Followers answer in `PipelineFollower._load`."""
-
-    def __init__(self, link: Link) -> None:
-        self.link = link
-
-    def __call__(self, cache: KVPrefixCache, key: tuple[int, ...]) -> bool:
-        link = self.link
-        while True:  # each failed round removes a file: bounded by the files kept
-            file_key, _ = cache.disk_best(key)
-            if file_key is None:
-                return False
-            loaded = cache.read_disk(file_key)
-            header, payload = keys_message(Op.LOAD, {file_key})
-            link.send(replace(header, flag=int(loaded is not None)), payload)
-            everyone, _ = link.expect(Op.LOAD, STEP_SECONDS)
-            link.send(replace(header, op=Op.LOADED, flag=everyone.flag), payload)
-            if everyone.flag and loaded is not None:
-                return cache.adopt(*loaded) is not None
-            cache.discard_disk(file_key)
-
-
-def never_load(cache: KVPrefixCache, key: tuple[int, ...]) -> bool:
-    """Followers load from disk only when rank 0 asks (`LOAD`)."""
-    return False
-
-
-class RingEvictionAgreement:
-    """The union of every rank's eviction victims, gathered around the ring and then
-    handed around again, so each rank drops the same entries (an `EvictionAgreement`)."""
-
-    def __init__(self, link: Link) -> None:
-        self.link = link
-
-    def __call__(self, victims: list[int]) -> list[int]:
-        link = self.link
-        if link.rank == 0:
-            link.send(*ids_message(Op.EVICT, victims))
-            _, payload = link.expect(Op.EVICT, STEP_SECONDS)
-            agreed = ids_of(payload)
-            link.send(*ids_message(Op.EVICTED, agreed))
-            return agreed
-        _, payload = link.expect(Op.EVICT, STEP_SECONDS)
-        link.send(*ids_message(Op.EVICT, sorted(set(ids_of(payload)) | set(victims))))
-        _, payload = link.expect(Op.EVICTED, STEP_SECONDS)
-        agreed = ids_of(payload)
-        if not link.is_last:
-            link.send(*ids_message(Op.EVICTED, agreed))
-        return agreed
-
-
-def ring_prefix_cache(
-    link: Link,
-    byte_budget: int,
-    memory_pressure: Callable[[], bool],
-    disk: DiskTier | None = None,
-    lockstep: bool = False,
-) -> KVPrefixCache | None:
-    """This rank's prefix cache (None when off), deciding evictions and what comes
-    from disk with the others. With `lockstep` (tensor ranks, which look up
-    together) no lookup reads the disk: rank 0 brings entries in before.
-    """
-    if byte_budget <= 0:
-        return None
-    return KVPrefixCache(
-        byte_budget,
-        memory_pressure,
-        agree=RingEvictionAgreement(link),
-        disk=disk,
-        disk_load=RingDiskLoad(link) if link.rank == 0 and not lockstep else never_load,
-    )
-
-
-class RingLead:
-    """What rank 0 sends around the ring between requests: heartbeats, disk writes
-    and the stop."""
-
-    def __init__(self, link: Link) -> None:
-        self.link = link
-
-    def keep_alive(self) -> None:
-        """Heartbeat around the ring unless it carried something within the last second."""
-        if time.monotonic() - self.link.last_activity >= HEARTBEAT_SECONDS:
-            self.link.send(Header(Op.HEARTBEAT))
-            self.link.expect(Op.HEARTBEAT, IDLE_SILENCE_SECONDS)
-
-    def persist_idle(self, cache: KVPrefixCache) -> bool:
-        """Write the newest entry not on disk yet on every rank (`PERSIST`, acked
-        once every rank wrote its share); False when there is none."""
-        entry_id = cache.next_unsaved()
-        if entry_id is None:
-            return False
-        self.link.send(*ids_message(Op.PERSIST, [entry_id]))
-        cache.persist_entry(entry_id)
-        self.link.expect(Op.PERSIST, STEP_SECONDS)
-        return True
-
-    def shutdown(self) -> None:
-        """Stop every rank; returns once the last one has it (bounded)."""
-        if self.link.broken:
-            return
-        self.link.send(Header(Op.SHUTDOWN))
-        self.link.expect(Op.SHUTDOWN, IDLE_SILENCE_SECONDS)
-
-
-def answer_load(link: Link, header: Header, payload: mx.array | None, cache: KVPrefixCache) -> None:
-    """A follower's answer to rank 0's `LOAD` (see `RingDiskLoad`): pass on whether
-    every rank so far, this one included, can read its share; then do what
-    `LOADED` says."""
-    (file_key,) = keys_of(payload)
-    loaded = cache.read_disk(file_key) if header.flag else None
-    link.send(replace(header, flag=int(loaded is not None)), payload)
-    verdict, verdict_payload = link.expect(Op.LOADED, STEP_SECONDS)
-    if not link.is_last:
-        link.send(verdict, verdict_payload)
-    if verdict.flag and loaded is not None:
-        cache.adopt(*loaded)
-    else:
-        cache.discard_disk(file_key)
-
-
-class PipelineDriver(RingLead):
-    """Rank 0: the generation loop's `Forward` through the pipeline. It embeds the
-    tokens and runs the first layers; the other ranks run theirs on what it sends,
-    and the last one draws the tokens."""
-
-    # One row, each step's token awaited (its TOKEN) before the next is sent.
-    eager_rows = 1
-
-    def __init__(self, link: Link, shard: ShardModel) -> None:
-        if link.rank != 0 or not shard.layer_range.is_first:
-            raise PipelineError("the driver runs on rank 0, which holds the first layers")
-        super().__init__(link)
-        self.shard = shard
+    def __init__(self, shard: ShardModel, link: Link) -> None:
+        super().__init__()
+        self._shard = shard
+        self._link = link
 
     def make_cache(self) -> list[LayerCache]:
-        return self.shard.make_cache()
+        return [*self._shard.make_cache(), KVCache()]
 
-    @contextmanager
-    def request(
-        self,
-        tokens: Sequence[int],
-        params: GenerationParams,
-        system_prompt_length: int,
-        match: PrefixMatch,
-    ) -> Iterator[None]:
-        """`TASK` around the ring; `END` after it, however it ends (cancelled too)."""
-        task = PipelineTask(
-            tokens=list(tokens),
-            params=params,
-            system_prompt_length=system_prompt_length,
-            cached_entry=match.entry_id,
-            cached_tokens=match.usable,
-        )
-        self.link.send(*task.message())
-        try:
-            yield
-        finally:
-            if not self.link.broken:
-                self.link.send(Header(Op.END))
-                self.link.expect(Op.END, STEP_SECONDS)
-
-    def _send_forward(self, tokens: Sequence[int], layers: list[LayerCache], sample: bool) -> None:
-        """Send hidden states for `tokens` down the pipeline; with `sample` the last
-        rank replies with the token it draws."""
-        h = self.shard.run(mx.array(list(tokens))[None], layers)
-        self.link.send(Header.for_payload(Op.FORWARD, h, flag=int(sample)), h)
-
-    def prefill(self, tokens: Sequence[int], layers: list[LayerCache]) -> None:
-        self._send_forward(tokens, layers, sample=False)
-
-    def next_token(self, token: int, layers: list[LayerCache]) -> SampledToken:
-        self._send_forward([token], layers, sample=True)
-        return sampled_of(*self.link.expect(Op.TOKEN, STEP_SECONDS))
-
-    def decode(
-        self, token: int, layers: list[LayerCache], max_tokens: int
-    ) -> Iterator[SampledToken]:
-        for _ in range(max_tokens):
-            sampled = self.next_token(token, layers)
-            yield sampled
-            token = sampled.token
-
-    def storing(self, tokens: Sequence[int], prompt_length: int) -> None:
-        # The count to store, and the reply's ids: only the last rank saw them drawn.
-        header, payload = ids_message(Op.STORE, list(tokens[prompt_length:]))
-        self.link.send(replace(header, value=len(tokens)), payload)
-
-
-@dataclass
-class _FollowerTask:
-    task: PipelineTask
-    match: PrefixMatch
-    layers: list[LayerCache]
-    sampling: SamplingStep | None  # on the last rank, which draws the tokens
-
-
-class PipelineFollower:
-    """Ranks 1..N-1: run their layers on whatever rank 0 sends until it shuts down.
-    The last rank draws the tokens, so it needs the tokenizer (for constraints)."""
-
-    def __init__(
-        self,
-        link: Link,
-        shard: ShardModel,
-        prefix_cache: KVPrefixCache | None,
-        tokenizer: TokenizerWrapper | None,
-    ) -> None:
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        link, shard = self._link, self._shard
+        if cache is None:
+            raise PipelineError("a pipeline stage runs on its caches")
+        *cache, counter = cache
+        rows, tokens = inputs.shape[:2]
+        counter.update_and_fetch(*[mx.zeros((rows, 1, tokens, 1))] * 2)
         if link.rank == 0:
-            raise PipelineError("rank 0 drives the pipeline; followers are ranks 1..N-1")
-        if link.is_last and tokenizer is None:
-            raise PipelineError("the last rank draws the tokens: it needs the tokenizer")
-        self.link = link
-        self.tokenizer = tokenizer
-        self.shard = shard
-        self.prefix_cache = prefix_cache
-        self._task: _FollowerTask | None = None
-
-    def serve(
-        self,
-        interrupt: Callable[[], None] = lambda: None,
-        on_task_start: Callable[[], None] = lambda: None,
-        on_task_end: Callable[[], None] = lambda: None,
-        on_persisted: Callable[[], None] = lambda: None,
-    ) -> None:
-        """Process messages until `SHUTDOWN`. `interrupt` is called while waiting
-        and may raise to stop (the runner's stdin asked it to)."""
-        while True:
-            timeout = STEP_SECONDS if self._task else IDLE_SILENCE_SECONDS
-            header, payload = self.link.recv(timeout, interrupt)
-            if header.op in (Op.HEARTBEAT, Op.SHUTDOWN, Op.END):
-                self.link.send(header)  # onwards; from the last rank, the ack to rank 0
-                if header.op == Op.SHUTDOWN:
-                    return
-                if header.op == Op.END:
-                    self._task = None
-                    on_task_end()
-            elif header.op == Op.TASK and payload is not None and self._task is None:
-                if not self.link.is_last:
-                    self.link.send(header, payload)
-                self._start(PipelineTask.from_payload(payload))
-                on_task_start()
-            elif header.op == Op.FORWARD and payload is not None and self._task:
-                self._forward(header, payload, self._task)
-            elif header.op == Op.LOAD and self._task is None and self.prefix_cache is not None:
-                answer_load(self.link, header, payload, self.prefix_cache)
-            elif header.op == Op.PERSIST and self._task is None and self.prefix_cache is not None:
-                for entry_id in ids_of(payload):
-                    self.prefix_cache.persist_entry(entry_id)
-                # Onwards once written (from the last rank, the ack): rank 0 sends
-                # nothing more, heartbeats included, until every rank has written.
-                self.link.send(header, payload)
-                on_persisted()
-            elif header.op == Op.STORE and self._task and self.prefix_cache is not None:
-                if not self.link.is_last:
-                    self.link.send(header, payload)
-                task = self._task
-                sequence = [*task.task.tokens, *ids_of(payload)][: header.value]
-                self.prefix_cache.store(sequence, task.layers)
-            else:
-                raise PipelineError(f"unexpected {header.op.name} from rank {self.link.left}")
-
-    def _start(self, task: PipelineTask) -> None:
-        match, layers = resume(self.prefix_cache, task.tokens, self.shard.make_cache)
-        if (match.entry_id, match.usable) != (task.cached_entry, task.cached_tokens):
-            raise PipelineError(
-                f"prefix caches diverged: rank 0 reuses {task.cached_tokens} tokens of entry "
-                f"{task.cached_entry}, rank {self.link.rank} {match.usable} of {match.entry_id}"
-            )
-        sampling = (
-            request_sampling(task.params, task.tokens, self.tokenizer)
-            if self.tokenizer is not None and self.link.is_last
-            else None
-        )
-        self._task = _FollowerTask(task, match, layers, sampling)
-
-    def _forward(self, header: Header, h: mx.array, task: _FollowerTask) -> None:
-        out = self.shard.run(h, task.layers)  # hidden states, or the logits on the last rank
-        if task.sampling is None:
-            self.link.send(header, out)
-        elif header.flag:
-            self.link.send(*token_message(task.sampling.sample(out[:, -1, :])))
+            out = shard.run(inputs, cache)
         else:
-            mx.eval([layer.state for layer in task.layers])
+            _, hidden = link.expect(Op.FORWARD, STEP_SECONDS)
+            if hidden is None or hidden.shape[:2] != inputs.shape[:2]:
+                raise PipelineError(
+                    f"rank {link.left} sent hidden states for {None if hidden is None else hidden.shape[:2]}"
+                    f" (rows, tokens), rank {link.rank} expected {inputs.shape[:2]}"
+                )
+            out = shard.run(hidden, cache)
+        if link.is_last:
+            return out[:, -1:, :]
+        link.send(Header.for_payload(Op.FORWARD, out), out)
+        return mx.zeros((out.shape[0], 1, 1))
+
+
+class DrawFailed(Exception):
+    """The last rank could not draw a request's token (the request's fault)."""
+
+
+class RingDraw(SamplingStep):
+    """A request's draws on a pipeline rank: the last rank draws with the
+    request's own step and sends each token around; the others take them."""
+
+    def __init__(self, step: SamplingStep, link: Link) -> None:
+        # No state of its own: `step` holds it (and only the last rank's is used).
+        self.params = step.params
+        self._step = step
+        self._link = link
+
+    @property
+    def plain_greedy(self) -> bool:
+        return False  # one draw, and one message, per row
+
+    def draw(self, logits: mx.array) -> PendingToken:
+        link = self._link
+        if link.is_last:
+            try:
+                sampled = self._step.sample(logits)
+            except Exception as error:
+                message = f"{type(error).__name__}: {error}".encode()
+                payload = mx.array(np.frombuffer(message, dtype=np.uint8))
+                link.send(Header.for_payload(Op.TOKEN, payload, flag=1), payload)
+                raise
+            link.send(*token_message(sampled))
+            return PendingToken.of(sampled)
+        header, payload = link.expect(Op.TOKEN, STEP_SECONDS)
+        if link.rank < link.size - 2:  # on to the ranks before the last
+            link.send(header, payload)
+        if header.flag:
+            raise DrawFailed(np.array(payload).tobytes().decode(errors="replace"))
+        return PendingToken.of(sampled_of(header, payload))

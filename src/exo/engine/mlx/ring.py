@@ -1,12 +1,14 @@
-"""The ring a pipeline's ranks talk over: its messages and the link between neighbours.
+"""The ring a split instance's ranks talk over: its messages and the link between
+neighbours.
 
 Rank r receives from rank r-1 and sends to rank r+1 over an `mx.distributed`
 ring group; the last rank sends to rank 0. A message is a small int32 `Header`,
 then an optional payload whose shape and dtype the header gives: hidden states
-(1, tokens, hidden), ids (tokens or cache entries), a task as JSON bytes, disk
-entry keys (16 bytes each), or a sampled token's log-probabilities (int32, the
-floats' bits: exact).
-Which messages go when is the pipeline's protocol (`pipeline.py`).
+(rows, tokens, hidden), ids (cache entries), a task or an error as JSON or text
+bytes, disk entry keys (16 bytes each), or a sampled token's log-probabilities
+(int32, the floats' bits: exact). Which messages go when: `ring_agreements.py`
+(start, prefix cache, disk), `lockstep.py` (requests) and `pipeline.py`
+(forward passes and tokens). Tensor ranks' `all_sum`s share the ring's group.
 
 Waiting: MLX's ring `recv` busy-polls its socket (on 2 cores a waiting rank
 slowed the computing one by ~65%), so a rank first waits in `poll()` on the
@@ -39,7 +41,7 @@ from loguru import logger
 from pydantic import BaseModel
 
 from exo.engine.mlx.sampling import SampledToken
-from exo.shared.types.tasks import GenerationParams, TokenAlternative
+from exo.shared.types.tasks import TokenAlternative
 
 # Joining waits for every rank's process to start.
 JOIN_SECONDS = 120.0
@@ -58,8 +60,10 @@ _GO = b"g"
 _POLL_SLICE_SECONDS = 0.25
 
 
-class PipelineFailure(RuntimeError):
-    """The group cannot go on; every rank's runner exits."""
+class PipelineFailure(BaseException):
+    """The group cannot go on; every rank's runner exits. A `BaseException`, as
+    `StopRequested` is: no handler of a failed request (`except Exception`)
+    takes it for the request's own failure."""
 
 
 class PeerLost(PipelineFailure):
@@ -75,13 +79,10 @@ class Op(IntEnum):
     HELLO = 1
     START = 2
     HEARTBEAT = 3
-    TASK = 4
     FORWARD = 5
     TOKEN = 6
-    STORE = 7
     EVICT = 8
     EVICTED = 9
-    END = 10
     SHUTDOWN = 11
     DISK_KEYS = 12
     DISK_AGREED = 13
@@ -105,21 +106,30 @@ class Header:
     count: int = 0  # payload rows: tokens, bytes or entry ids (0: no payload)
     width: int = 0  # payload row width, the hidden size (0: a flat payload)
     dtype: int = 0  # payload dtype, an index into _DTYPES
-    # FORWARD: the last rank samples; HELLO: a prefix cache is on (1), with a disk
-    # tier on every rank so far (2); START: a disk tier on every rank; LOAD/LOADED:
-    # every rank so far can read the entry / all of them can
+    # HELLO: a prefix cache is on (1), with a disk tier on every rank so far (2),
+    # checkpoints needed (4); START: a disk tier on every rank (1), entries restore
+    # only at their ends (2); LOAD/LOADED: every rank so far can read the entry /
+    # all of them can; TOKEN: the draw failed (the payload says why); ADDED, DECIDE:
+    # rank 0's answer
     flag: int = 0
     value: int = 0  # TOKEN: the token id; HELLO: the layer the next rank starts at
     total: int = 0  # HELLO: the model's layer count
+    rows: int = 0  # hidden states: the batch's rows (requests)
 
     @staticmethod
     def for_payload(op: Op, payload: mx.array, flag: int = 0) -> "Header":
-        width = payload.shape[-1] if payload.ndim == 3 else 0
-        count = payload.shape[1] if payload.ndim == 3 else payload.size
-        return Header(op, count=count, width=width, dtype=_DTYPES.index(payload.dtype), flag=flag)
+        hidden = payload.ndim == 3  # (rows, tokens, hidden size)
+        return Header(
+            op,
+            count=payload.shape[1] if hidden else payload.size,
+            width=payload.shape[-1] if hidden else 0,
+            dtype=_DTYPES.index(payload.dtype),
+            flag=flag,
+            rows=payload.shape[0] if hidden else 0,
+        )
 
     def payload_shape(self) -> tuple[int, ...]:
-        return (1, self.count, self.width) if self.width else (self.count,)
+        return (self.rows, self.count, self.width) if self.width else (self.count,)
 
 
 _HEADER_SIZE = len(astuple(Header(Op.HELLO)))
@@ -185,24 +195,6 @@ def sampled_of(header: Header, payload: mx.array | None) -> SampledToken:
         for t, lp in zip(ids, logprobs[1:], strict=True)
     )
     return SampledToken(header.value, float(logprobs[0]), top)
-
-
-class PipelineTask(BaseModel):
-    """A `TASK`'s payload: what every rank needs to know about a task; rank 0's
-    cache decision included so the others can check that they reached the same one."""
-
-    tokens: list[int]
-    params: GenerationParams
-    system_prompt_length: int
-    cached_entry: int | None
-    cached_tokens: int
-
-    def message(self) -> Message:
-        return json_message(Op.TASK, self)
-
-    @staticmethod
-    def from_payload(payload: mx.array) -> "PipelineTask":
-        return PipelineTask.model_validate_json(np.array(payload).tobytes())
 
 
 def json_message(op: Op, content: BaseModel) -> Message:

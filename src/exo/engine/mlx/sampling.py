@@ -86,6 +86,20 @@ class PendingToken:
     logprob: mx.array | None  # shape (1,)
     alternatives: tuple[mx.array, mx.array] | None  # (token ids, logprobs), unsorted
 
+    @staticmethod
+    def of(sampled: SampledToken) -> "PendingToken":
+        """A token drawn elsewhere (a pipeline's last rank) as if drawn here."""
+        top = sampled.top_logprobs
+        return PendingToken(
+            token=mx.array([sampled.token], dtype=mx.int32),
+            logprob=None if sampled.logprob is None else mx.array([sampled.logprob]),
+            alternatives=(
+                (mx.array([t.token for t in top]), mx.array([t.logprob for t in top]))
+                if top
+                else None
+            ),
+        )
+
     def async_eval(self) -> None:
         mx.async_eval(*self._arrays())
 

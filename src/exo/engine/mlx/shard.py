@@ -212,6 +212,11 @@ class ShardModel:
         if not layer_range.is_last:
             object.__setattr__(layers[layer_range.end], "_ends_slice", True)
 
+    def whole_model_caches(self) -> list[LayerCache]:
+        """Empty caches of every layer of the model: their kinds decide what all
+        ranks do alike (whether requests batch)."""
+        return [copy.deepcopy(cache) for cache in self._layout.template]
+
     def make_cache(self) -> list[LayerCache]:
         """Empty caches for this rank's layers."""
         return [copy.deepcopy(self._layout.template[i]) for i in self._layout.owned]

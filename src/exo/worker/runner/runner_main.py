@@ -8,14 +8,14 @@ on the original stdout; everything else printed goes to stderr.
 Pipeline ranks: with `MLX_HOSTFILE` (a JSON list, per rank, of one "ip:port")
 and `MLX_RANK` in the environment and `--start-layer S --end-layer E
 --total-layers N`, the runner is one rank of an `mx.distributed` ring group
-holding layers [S, E) of the model's N (`pipeline_rank.py`). With
+holding layers [S, E) of the model's N (`split_rank.py`). With
 `--prefix-cache-dir`, each rank keeps its layers' share of the cache's disk tier
-(agreed with the others: see `engine/mlx/pipeline.py`). Rank 0 takes
+(agreed with the others: see `engine/mlx/ring_agreements.py`). Rank 0 takes
 `Generate`/`Cancel` and reports task messages; every rank reports its status and
 cache stats, and obeys `Shutdown` and the end of stdin. Without them the runner
 holds the whole model, alone (`whole_model.py`). With `--tensor` as well (and
 the layers [0, N) of N), the rank holds a slice of every layer instead
-(`tensor_rank.py`). All serve their tasks in one loop (`serving.py`).
+(`split_rank.py`). All serve their tasks in one loop (`serving.py`).
 
 Here: the process's statuses from its start (loading) to its end (stopped, or
 failed with the error).
@@ -120,14 +120,10 @@ def _serve(
         from exo.worker.runner.whole_model import serve_whole_model
 
         serve_whole_model(runner, model_dir, prefix_cache_bytes, disk)
-    elif tensor:
-        from exo.worker.runner.tensor_rank import serve_tensor_rank
-
-        serve_tensor_rank(runner, model_dir, prefix_cache_bytes, disk)
     else:
-        from exo.worker.runner.pipeline_rank import serve_rank
+        from exo.worker.runner.split_rank import serve_split_rank
 
-        serve_rank(runner, model_dir, prefix_cache_bytes, layers, disk)
+        serve_split_rank(runner, model_dir, prefix_cache_bytes, layers, disk, tensor)
 
 
 def _send_status(out: IO[str], status: StatusChanged) -> None:

@@ -41,7 +41,7 @@ _PRELOAD = (
     "exo.engine.mlx.prefix_cache",
     "exo.engine.mlx.prefix_cache_disk",
     "exo.worker.runner.whole_model",
-    "exo.worker.runner.pipeline_rank",
+    "exo.worker.runner.split_rank",
     "exo.engine.mlx.few_rows_kernel",  # numba: Linux only, so last
 )
 

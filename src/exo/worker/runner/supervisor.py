@@ -130,6 +130,7 @@ class RunnerSupervisor:
             self.layers,
             self.cache_dir / "prefix_cache",
             self.prefix_cache_disk_bytes,
+            tensor=self.instance.sharding == "tensor",
         )
         reached_ready = False
         try:

@@ -38,8 +38,9 @@ def serve_whole_model(
         else None
     )
     local = LocalModel(model, tokenizer)
-    warm_up(local)  # first-use compiles before "ready", not in the first request
-    batch = _batch(runner, TextGenerator(local, tokenizer, cache), local)
+    batches = can_batch(local.make_cache())
+    warm_up(local, batches)  # first-use compiles before "ready", not in the first request
+    batch = _batch(runner, TextGenerator(local, tokenizer, cache), batches)
     runner.ready(cache)
     try:
         runner.serve(batch, keep_alive=lambda: _persist_while_idle(runner, cache))
@@ -48,8 +49,8 @@ def serve_whole_model(
             cache.persist()
 
 
-def _batch(runner: Runner, generator: TextGenerator, local: LocalModel) -> Batch:
-    if can_batch(local.make_cache()):
+def _batch(runner: Runner, generator: TextGenerator, batches: bool) -> Batch:
+    if batches:
         return ContinuousBatcher(generator)
     logger.info("this model's caches do not batch: requests are served one at a time")
     return OneAtATime(generator, runner.report_progress, runner.is_cancelled)
