@@ -56,6 +56,7 @@ from exo_node import free_port, launch_exo
 from exo.cluster.auth import connect
 from exo.cluster.proto import cluster_pb2 as pb
 from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
+from exo.cluster.tls import NodeCertificate
 from exo.shared.types.events import NodeTelemetryReported, event_adapter
 from exo.shared.types.ids import NodeId
 from exo.shared.types.state import NodeTelemetry
@@ -80,6 +81,7 @@ class Node:
     api_url: str
     grpc_address: str
     log_path: Path
+    data_dir: Path
     node_id: str = ""
 
     def get(self, path: str) -> Any:
@@ -115,7 +117,13 @@ def start_nodes(root: Path, secret: str) -> list[Node]:
         ]  # fmt: skip
         process = launch_exo(command, log_path)
         nodes.append(
-            Node(process, f"http://127.0.0.1:{api_port}", f"127.0.0.1:{grpc_port}", log_path)
+            Node(
+                process,
+                f"http://127.0.0.1:{api_port}",
+                f"127.0.0.1:{grpc_port}",
+                log_path,
+                data_dir,
+            )
         )
     return nodes
 
@@ -348,7 +356,10 @@ async def measure(
     arrivals = Arrivals(len(nodes))
     pids = [node.process.pid for node in nodes]
 
-    session = await connect(master_address, args.secret, NodeId(master_id))
+    # The master's own key (its data dir is here): a session speaks only for its key's node.
+    master = next(node for node in nodes if node.node_id == master_id)
+    identity = NodeCertificate.load_or_create(master.data_dir / "tls")
+    session = await connect(master_address, args.secret, identity)
     stub = session.stub
     results: tuple[ThroughputResult, LatencyResult] | None = None
     try:

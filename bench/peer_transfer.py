@@ -53,6 +53,7 @@ from exo_node import CpuMeter, free_port, launch_exo, median, stop_exo
 from loguru import logger
 
 from exo.cluster.model_files import PeerSource
+from exo.cluster.tls import NodeCertificate
 from exo.shared.allocator import keep_large_buffers_in_the_heap
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.ids import ModelId, NodeId
@@ -277,7 +278,9 @@ def time_stream(source: PeerSource, names: list[str]) -> tuple[float, int]:
 def measure(
     node: Node, sources: list[Path], work: Path, rounds: int, log: Callable[[str], None]
 ) -> Rounds:
-    source = PeerSource(NodeId("bench-server"), node.grpc_address, node.secret, NodeId("bench"))
+    source = PeerSource(
+        NodeId("bench-server"), node.grpc_address, node.secret, NodeCertificate.create()
+    )
     names = [path.name for path in sources]
     total = sum(path.stat().st_size for path in sources)
     meter = CpuMeter({"node": node.process.pid, "bench": os.getpid()})
@@ -412,7 +415,7 @@ def main() -> None:
         )
         with serving_node(root, models_dir) as node:
             source = PeerSource(
-                NodeId("bench-server"), node.grpc_address, node.secret, NodeId("bench")
+                NodeId("bench-server"), node.grpc_address, node.secret, NodeCertificate.create()
             )
             read_all(sources)
             first, listed = time_listing(source)

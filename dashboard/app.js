@@ -16,6 +16,7 @@ const models = new ModelsView(cluster, {
   modelId: $("model-id"),
   minNodes: $("min-nodes"),
   maxNodes: $("max-nodes"),
+  sharding: $("sharding"),
   previewButton: $("preview-button"),
   message: $("place-message"),
   previews: $("previews"),

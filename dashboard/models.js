@@ -3,7 +3,7 @@
 // delete instances, and see (and delete) the copies of models on nodes.
 
 import { api } from "./api.js";
-import { badge, bar, bytes, html, seconds, shortId, shortModel } from "./format.js";
+import { badge, bar, bytes, html, rankLayers, seconds, shortId, shortModel } from "./format.js";
 
 const NODE_COLORS = ["#6366f1", "#0891b2", "#d97706", "#db2777", "#16a34a", "#7c3aed"];
 
@@ -29,6 +29,7 @@ export class ModelsView {
       model_id: this.el.modelId.value.trim(),
       min_nodes: Number(this.el.minNodes.value || 1),
       ...(max ? { max_nodes: Number(max) } : {}),
+      sharding: this.el.sharding.value,
     };
   }
 
@@ -74,19 +75,22 @@ export class ModelsView {
   #previewCard(placement, index) {
     const layers = placement.ranks[placement.ranks.length - 1].end_layer;
     const downloaded = placement.download_progress / placement.ranks.length;
-    return html`<div class="preview" data-preview="${index}">
+    const n = placement.ranks.length;
+    // A tensor rank's share is the same slice of every layer: equal parts of the bar.
+    const width = (r) => (placement.sharding === "tensor" ? 1 : r.end_layer - r.start_layer);
+    return html`<div class="preview" data-preview="${index}" data-sharding="${placement.sharding}">
       <div class="preview-head"><b>${index === 0 ? "Best placement" : `Option ${index + 1}`}</b>
-        <span class="muted">${placement.ranks.length} node${placement.ranks.length > 1 ? "s" : ""} ·
+        <span class="muted">${placement.sharding} · ${n} node${n > 1 ? "s" : ""} ·
         ${layers} layers · files already on the nodes: ${(downloaded * 100).toFixed(0)}%</span></div>
       <div class="layer-bar">${placement.ranks.map(
-        (r) => html`<span style="flex:${r.end_layer - r.start_layer};background:${this.#color(r.node_id)}"
+        (r) => html`<span style="flex:${width(r)};background:${this.#color(r.node_id)}"
           title="${r.node_id}">${shortId(r.node_id)}</span>`,
       )}</div>
       <table class="ranks"><tr><th>rank</th><th>node</th><th>layers</th><th>memory needed</th><th>free RAM now</th></tr>
       ${placement.ranks.map((r, i) => {
         const t = this.cluster.state?.nodes[r.node_id]?.telemetry;
         return html`<tr><td>${i}</td><td class="mono"><i class="dot" style="background:${this.#color(r.node_id)}"></i>${shortId(r.node_id)}</td>
-          <td>${r.start_layer}–${r.end_layer - 1} <span class="muted">(${r.end_layer - r.start_layer})</span></td>
+          <td>${rankLayers(r, placement.sharding, n)}</td>
           <td>${bytes(placement.memory_bytes[r.node_id])}</td><td>${t ? bytes(t.ram_available) : "—"}</td></tr>`;
       })}</table>
     </div>`;
@@ -109,6 +113,7 @@ export class ModelsView {
     return html`<div class="instance" data-instance-id="${instance.instance_id}" data-status="${instance.status}">
       <div class="instance-head"><b>${instance.model_id}</b>
         <span class="muted mono small">${instance.instance_id}</span> ${badge(instance.status)}
+        <span class="muted small" data-sharding="${instance.sharding}">${instance.ranks.length > 1 ? instance.sharding : "whole"}</span>
         <span class="grow"></span>
         <button type="button" class="danger" data-delete-instance="${instance.instance_id}">Delete</button></div>
       ${error ? html`<div class="error">${error}</div>` : ""}
@@ -116,7 +121,7 @@ export class ModelsView {
       ${instance.ranks.map(
         (r, i) => html`<tr data-rank="${i}" data-node-id="${r.node_id}" data-runner="${r.runner?.status ?? "none"}"
             data-download="${r.download?.status ?? "none"}">
-          <td>${i}</td><td class="mono">${shortId(r.node_id)}</td><td>${r.start_layer}–${r.end_layer - 1}</td>
+          <td>${i}</td><td class="mono">${shortId(r.node_id)}</td><td>${rankLayers(r, instance.sharding, instance.ranks.length)}</td>
           <td>${this.#download(r.download)}</td>
           <td>${r.runner ? badge(r.runner.status) : html`<span class="muted">not started</span>`}
             ${r.runner?.error ? html`<div class="error">${r.runner.error}</div>` : ""}</td></tr>`,

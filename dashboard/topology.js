@@ -1,7 +1,7 @@
 // The topology view: the nodes as a picture (on a circle, the master marked,
 // a line between nodes that serve an instance together) and a card per node.
 
-import { badge, bar, bytes, html, raw, shortId, shortModel } from "./format.js";
+import { badge, bar, bytes, html, rankLayers, raw, shortId, shortModel } from "./format.js";
 
 const CENTER = { x: 260, y: 200 };
 const RADIUS = 135;
@@ -93,7 +93,7 @@ function nodeCard(node, cluster) {
       <dt>disk free</dt><dd>${t ? bytes(t.disk_free) : "—"}</dd>
       <dt>serves</dt>
       <dd>${serves.length ? serves.map(({ rank, i, instance }) => html`<div>${shortModel(instance.model_id)}
-          <span class="muted">rank ${i} · layers ${rank.start_layer}–${rank.end_layer - 1}</span></div>`) : html`<span class="muted">${t && !t.accepts_instances ? "no worker (API only)" : "nothing"}</span>`}</dd>
+          <span class="muted">rank ${i} · layers ${rankLayers(rank, instance.sharding, instance.ranks.length)}</span></div>`) : html`<span class="muted">${t && !t.accepts_instances ? "no worker (API only)" : "nothing"}</span>`}</dd>
       <dt>last seen</dt><dd>${node.status === "timed out" ? "timed out" : `${seen} s ago`}</dd>
     </dl>
   </div>`;

@@ -16,7 +16,13 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from exo.engine.mlx.batch import Batch, ContinuousBatcher, GenerationFailed, can_batch
+from exo.engine.mlx.batch import (
+    Batch,
+    ContinuousBatcher,
+    GenerationFailed,
+    can_batch,
+    prompts_read_together,
+)
 from exo.engine.mlx.generate import Finished, LocalModel, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_model_tokenizer
 from exo.engine.mlx.lockstep import Decisions, LockstepBatch, LockstepFollower
@@ -154,8 +160,9 @@ def pipeline_rank_batch(
     local.eager_rows = 1 << 30  # as a split instance rank's
     generator = TextGenerator(local, tokenizer, cache)
     decide = Decisions(link)
-    if can_batch(shard.whole_model_caches()):
-        return ContinuousBatcher(generator)
+    caches = shard.whole_model_caches()
+    if can_batch(caches):
+        return ContinuousBatcher(generator, prompts_together=prompts_read_together(caches))
     return OneAtATime(generator, is_cancelled=lambda task_id: decide(lambda: False))
 
 

@@ -3,8 +3,8 @@
 `make_tiny_llama` writes the plain llama most tests use; `make_tiny_model`
 writes one of `TINY_FAMILIES`, each small enough to run on any CPU yet with its
 family's distinctive parts (MoE routing, MLA, sliding windows, linear
-attention) in its first few layers, for tests that compare a model run whole
-with the same model split across ranks."""
+attention, Mamba-2 mixers) in its first few layers, for tests that compare a
+model run whole with the same model split across ranks."""
 
 import importlib
 import json
@@ -33,6 +33,7 @@ TINY_FAMILIES: tuple[str, ...] = (
     "glm4_moe",
     "qwen3_next",
     "gemma3_text",
+    "nemotron_h",
 )
 
 _HIDDEN = 64
@@ -57,6 +58,7 @@ _ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 
 # Random weights as initialised give near-equal logits and hidden states that
@@ -267,6 +269,38 @@ def _gemma3_text(n_layers: int) -> dict[str, Any]:
     }
 
 
+# Mamba-2 (M), MLP (-), attention (*) and MoE (E) blocks: the first four layers
+# hold one of each; the pattern repeats for more than six.
+_NEMOTRON_PATTERN = "M-*EME"
+
+
+def _nemotron_h(n_layers: int) -> dict[str, Any]:
+    return {
+        "hybrid_override_pattern": (_NEMOTRON_PATTERN * n_layers)[:n_layers],
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "n_groups": 2,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "mamba_proj_bias": False,
+        "use_conv_bias": True,
+        "use_bias": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "n_routed_experts": _EXPERTS,
+        "num_experts_per_tok": _EXPERTS_PER_TOKEN,
+        "moe_intermediate_size": _EXPERT_INTERMEDIATE,
+        "n_shared_experts": 1,
+        "moe_shared_expert_intermediate_size": _EXPERT_INTERMEDIATE,
+        "moe_latent_size": None,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+    }
+
+
 _FAMILY_CONFIG: dict[str, Callable[[int], dict[str, Any]]] = {
     "llama": _dense(tied=True),
     "mistral": _dense(tied=False),
@@ -279,6 +313,7 @@ _FAMILY_CONFIG: dict[str, Callable[[int], dict[str, Any]]] = {
     "glm4_moe": _glm4_moe,
     "qwen3_next": _qwen3_next,
     "gemma3_text": _gemma3_text,
+    "nemotron_h": _nemotron_h,
 }
 
 
@@ -305,11 +340,12 @@ def _random_weights(config: dict[str, Any], seed: int, varied: bool) -> dict[str
 
 
 def _vary(name: str, array: mx.array, embedding_scale: float) -> mx.array:
-    if name.endswith("embed_tokens.weight"):
+    if name.endswith(("embed_tokens.weight", "backbone.embeddings.weight")):  # (nemotron_h)
         return array * embedding_scale
     if name == "lm_head.weight":
         return array * _HEAD_SCALE
-    if name.endswith("down_proj.weight"):  # MLPs' and experts' outputs
+    # MLPs' and experts' outputs (nemotron_h's ReLU² experts: fc2)
+    if name.endswith(("down_proj.weight", "switch_mlp.fc2.weight")):
         return array * _MLP_OUT_SCALE
     if name == "model.norm.weight":
         # Signs mixed, so that with a tied head a token's logits do not favour

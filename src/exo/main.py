@@ -21,6 +21,7 @@ from exo.api.admission import (
     AdmissionLimits,
 )
 from exo.api.app import KEEPALIVE_SECONDS
+from exo.api.http_server import DEFAULT_CLIENT_STALL_SECONDS
 from exo.api.model_alias import parse_model_alias
 from exo.cluster.auth import validate_secret
 from exo.cluster.timing import LinkTiming
@@ -121,6 +122,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-queued", "EXO_MAX_QUEUED", "requests per served model that wait for a free slot; more are refused with 429", str(DEFAULT_MAX_QUEUED), int),
     Flag("--queue-timeout-seconds", "EXO_QUEUE_TIMEOUT_SECONDS", "a request that waits longer for a slot is answered 503", str(DEFAULT_QUEUE_TIMEOUT_SECONDS), float),
     Flag("--max-body-bytes", "EXO_MAX_BODY_BYTES", "largest request body accepted; larger ones are answered 413", str(DEFAULT_MAX_BODY_BYTES), int),
+    Flag("--client-stall-seconds", "EXO_CLIENT_STALL_SECONDS", "a client that takes no bytes of an answer this long is disconnected (its generation cancelled); "
+         "also the longest a request's headers may take", str(DEFAULT_CLIENT_STALL_SECONDS), float),
     Flag("--model-alias", "EXO_MODEL_ALIAS", "comma-separated PATTERN=MODEL rules naming the served model that answers requests for other model names "
          "(fnmatch patterns, first match wins), e.g. 'claude-*=MODEL'; claude-* names go to the only served model when there is one", ""),
     Flag("--grpc-host", "EXO_GRPC_HOST", "address the cluster link (gRPC) binds to", "0.0.0.0", scope="cluster"),
@@ -258,6 +261,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
     except ValidationError as error:
         first = error.errors()[0]
         _fail(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg'].lower()}")
+    if not args.client_stall_seconds > 0:
+        _fail("--client-stall-seconds must be a positive number of seconds")
     cache_bytes = args.prefix_cache_bytes
     if cache_bytes is None:
         cache_bytes = int(psutil.virtual_memory().total * DEFAULT_PREFIX_CACHE_FRACTION)
@@ -280,6 +285,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         prefix_cache_disk_bytes=disk_bytes,
         sse_keepalive_seconds=args.sse_keepalive_seconds,
         admission=admission,
+        client_stall_seconds=args.client_stall_seconds,
         model_aliases=aliases,
         api_key=args.api_key or None,
         grpc_host=args.grpc_host,

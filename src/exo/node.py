@@ -3,18 +3,17 @@
 import math
 import socket
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 import anyio.abc
-import uvicorn
 from loguru import logger
 
 from exo.api.admission import AdmissionLimits
 from exo.api.app import create_app
 from exo.api.auth import APIAccess, is_loopback_address
+from exo.api.http_server import DEFAULT_CLIENT_STALL_SECONDS, api_server
 from exo.api.model_alias import ModelAlias
 from exo.cluster.discovery import MdnsDiscovery, default_advertised_addresses
 from exo.cluster.link import ClusterLink
@@ -25,7 +24,7 @@ from exo.models.builtin import BuiltinModelMissing
 from exo.models.cards import ModelCardError, card_from_folder
 from exo.models.gguf_import import GGUFImportError
 from exo.models.local_store import ModelStore, ModelUnavailable
-from exo.shared.data_dir import DataDirInUse, DataDirLock, atomic_write_bytes
+from exo.shared.data_dir import DataDirInUse, DataDirLock
 from exo.shared.event_log import EventLog, EventLogCorrupted
 from exo.shared.event_store import EventStore, now_ms
 from exo.shared.state_snapshot import SnapshotCorrupted
@@ -73,6 +72,9 @@ class NodeConfig:
     read_only_models_dirs: tuple[Path, ...] = ()
     min_free_disk_bytes: int | None = None  # None: 1 GiB or 5 % of the disk
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
+    # A client that takes no bytes of an answer, or sends none of its request,
+    # this long is cut off (`exo.api.http_server`).
+    client_stall_seconds: float = DEFAULT_CLIENT_STALL_SECONDS
 
     def model_store(self) -> ModelStore:
         return ModelStore(self.models_dir, self.read_only_models_dirs)
@@ -120,16 +122,19 @@ def _curl_example(base_url: str, model_id: str) -> str:
     )
 
 
-def load_node_id(data_dir: Path) -> NodeId:
-    """This node's id: made once, kept in the data dir so a restart is the same node."""
-    path = data_dir / "node_id"
-    # An empty file is a write an older exo tore (it now writes atomically).
-    if path.exists() and (kept := path.read_text().strip()):
-        return NodeId(kept)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    node_id = NodeId(f"node-{uuid.uuid4().hex[:12]}")
-    atomic_write_bytes(path, node_id.encode())
-    return node_id
+def load_identity(data_dir: Path) -> NodeCertificate:
+    """This node's certificate, whose key its id is a digest of: made once, kept
+    in the data dir so that a restart is the same node."""
+    certificate = NodeCertificate.load_or_create(data_dir / "tls")
+    # An older exo kept a random id here; the certificate's replaces it.
+    old = data_dir / "node_id"
+    if old.exists():
+        logger.warning(
+            f"this node's id is now {certificate.node_id}, its certificate's "
+            f"(it was {old.read_text().strip()!r}: other nodes time that id out)"
+        )
+        old.unlink()
+    return certificate
 
 
 def _open_store(node_id: NodeId, data_dir: Path) -> EventStore:
@@ -228,7 +233,8 @@ async def _run_node(config: NodeConfig) -> None:
     sock = _bind(config.host, config.api_port) if config.api else None
     shown_host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
     base_url = f"http://{shown_host}:{config.api_port}"
-    node_id = load_node_id(config.data_dir)
+    certificate = load_identity(config.data_dir)
+    node_id = certificate.node_id
     store = _open_store(node_id, config.data_dir)
     advertised = _advertised_host(config.grpc_host)
     models = config.model_store()
@@ -247,7 +253,7 @@ async def _run_node(config: NodeConfig) -> None:
         secret=config.cluster_secret,
         static_peers=list(config.peers),
         timing=config.timing,
-        certificate=NodeCertificate.load_or_create(config.data_dir / "tls"),
+        certificate=certificate,
         force_master=config.force_master,
         discovering=config.discovery,
         model_store=models,
@@ -333,11 +339,7 @@ async def _run_node(config: NodeConfig) -> None:
                     limits=config.admission,
                     access=access,
                 )
-                server = uvicorn.Server(
-                    uvicorn.Config(
-                        app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5
-                    )
-                )
+                server = api_server(app, config.client_stall_seconds)
                 logger.info(f"API listening on {base_url} (dashboard: {base_url}/)")
                 if worker is not None and config.model_id is not None:
                     logger.info(f"try:\n  {_curl_example(base_url, config.model_id)}")

@@ -1,10 +1,13 @@
 """End to end: schemathesis fuzzes every route of a real node from the app's own
-OpenAPI schema. No input may get a 5xx or hang, errors come in the route's API
-format, and the node still answers a chat afterwards."""
+OpenAPI schema, and sends valid inputs made hostile (strings with lone
+surrogates, objects nested hundreds deep). No input may get a 5xx or hang,
+errors come in the route's API format, and the node still answers a chat
+afterwards."""
 
+import json
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +73,7 @@ def api_schema(node: NodeProcess) -> BaseSchema:
 def _cheap(body: dict[str, Any], path: str) -> None:
     """Aim the request at the served model and keep its generation short."""
     if "model" in body:
-        body["model"] = DEFAULT_MODEL_ID
+        body["model"] = str(DEFAULT_MODEL_ID)  # a plain str: the schema validator takes no subclass
     limits = [key for key in TOKEN_LIMITS if key in body]
     for key in limits:
         # null asks for the default: as many tokens as the context leaves
@@ -82,6 +85,45 @@ def _cheap(body: dict[str, Any], path: str) -> None:
         body["n"] = 1
 
 
+# Deeper than a request may nest, deep enough that rendering it once failed;
+# shallow enough for the client's own JSON encoder.
+DEEP_LEVELS = 500
+
+
+def _lone_surrogates(value: Any) -> Any:
+    """`value` with a lone surrogate ending each of its strings."""
+    if isinstance(value, str):
+        return value + "\ud800"
+    if isinstance(value, dict):
+        return {key: _lone_surrogates(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_lone_surrogates(item) for item in value]
+    return value
+
+
+def _nested_deep(value: Any) -> Any:
+    """`value` with each object or array of its top level nested `DEEP_LEVELS` deep."""
+    if not isinstance(value, dict):
+        return value
+    deep = dict(value)
+    for key, item in value.items():
+        if isinstance(item, dict | list):
+            for _ in range(DEEP_LEVELS):
+                item = {"a": item}
+            deep[key] = item
+    return deep
+
+
+def _assert_api_error(path: str, status: int, content_type: str, body: Callable[[], Any]) -> None:
+    """A JSON error comes in the route's API format."""
+    if status >= 400 and "json" in content_type:
+        error = body()
+        if path.startswith("/v1/messages"):
+            assert error["type"] == "error" and error["error"]["message"], error
+        else:
+            assert error["error"]["message"], error
+
+
 def _call(case: Case, node: NodeProcess) -> int:
     """The status `case` is answered with (never a 5xx)."""
     if isinstance(case.body, dict):
@@ -89,27 +131,47 @@ def _call(case: Case, node: NodeProcess) -> int:
     response = case.call_and_validate(
         base_url=node.base_url, checks=[not_a_server_error], timeout=REQUEST_TIMEOUT_SECONDS
     )
-    if response.status_code >= 400 and "json" in response.headers.get("content-type", ""):
-        body = response.json()
-        if case.path.startswith("/v1/messages"):
-            assert body["type"] == "error" and body["error"]["message"], body
-        else:
-            assert body["error"]["message"], body
+    content_type = ", ".join(response.headers.get("content-type", []))
+    _assert_api_error(case.path, response.status_code, content_type, response.json)
+    return response.status_code
+
+
+def _call_hostile(case: Case, mutation: Callable[[Any], Any], node: NodeProcess) -> int:
+    """The status a valid `case`, made hostile by `mutation`, is answered with
+    (never a 5xx). Sent as JSON text: schemathesis checks a case it did not
+    make against the schema first, and its validator cannot read a lone
+    surrogate."""
+    body = case.body
+    if isinstance(body, dict):
+        _cheap(body, case.path)
+    sent = json.dumps(mutation(body)).encode() if isinstance(body, dict | list) else None
+    response = httpx.request(
+        case.method,
+        f"{node.base_url}{case.formatted_path}",
+        params=case.query,
+        content=sent,
+        headers={"content-type": "application/json"} if sent is not None else None,
+        timeout=REQUEST_TIMEOUT_SECONDS,
+    )
+    assert response.status_code < 500, (case.method, case.path, response.text)
+    content_type = response.headers.get("content-type", "")
+    _assert_api_error(case.path, response.status_code, content_type, response.json)
     return response.status_code
 
 
 def _fuzz_operation(operation: APIOperation, node: NodeProcess, max_examples: int) -> Counter[int]:
-    """Valid and invalid inputs to `operation`; the statuses they were answered with."""
+    """Valid, invalid and hostile inputs to `operation`; the statuses they were
+    answered with."""
     statuses: Counter[int] = Counter()
-    inputs = st.one_of(
-        operation.as_strategy(GenerationMode.POSITIVE),
-        operation.as_strategy(GenerationMode.NEGATIVE),
-    )
+    valid = operation.as_strategy(GenerationMode.POSITIVE)
+    invalid = operation.as_strategy(GenerationMode.NEGATIVE)
+    hostile = st.tuples(valid, st.sampled_from([_lone_surrogates, _nested_deep]))
 
-    @given(case=inputs)
+    @given(case=st.one_of(valid, invalid), made_hostile=hostile)
     @settings(FUZZ_SETTINGS, max_examples=max_examples)
-    def fuzz(case: Case) -> None:
+    def fuzz(case: Case, made_hostile: tuple[Case, Callable[[Any], Any]]) -> None:
         statuses[_call(case, node)] += 1
+        statuses[_call_hostile(*made_hostile, node)] += 1
 
     fuzz()
     return statuses

@@ -64,6 +64,7 @@ def test_state_shows_this_node_its_instance_and_runner(node: NodeProcess) -> Non
         # what re-placement after a lost rank keeps (the node asked for itself)
         "min_nodes": 1,
         "max_nodes": None,
+        "sharding": "pipeline",
     }
     assert state["runners"][instance_id][node_id]["status"] in ("ready", "running")
     # The node told the cluster which models it has: the card and every file.

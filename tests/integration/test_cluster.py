@@ -13,7 +13,7 @@ import pytest
 from exo.cluster.auth import LinkError, peer_channel
 from exo.cluster.proto import cluster_pb2 as pb
 from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
-from exo.shared.types.ids import NodeId
+from exo.cluster.tls import NodeCertificate
 from tests.e2e.node_process import start_node
 from tests.integration.cluster_process import (
     NODE_TIMEOUT,
@@ -76,11 +76,13 @@ def test_a_restarted_node_resumes_from_its_last_index(cluster: Cluster) -> None:
     follower = next(n for n in cluster.nodes if n.get("/cluster")["master_id"] != n.get("/node_id"))
     index = cluster.nodes.index(follower)
     applied = follower.get("/state")["last_idx"]
+    follower_id = follower.get("/node_id")
     follower.process.send_signal(signal.SIGKILL)
     follower.process.wait(10)
     restarted = cluster.start(index)
     resumed = restarted.get("/cluster")["resumed_from_idx"]
     assert resumed == applied + 1  # it did not replay from 0
+    assert restarted.get("/node_id") == follower_id  # its data dir keeps its id
     wait_until(lambda: agreed(cluster.nodes), 30, "agreement after the restart")
 
 
@@ -106,10 +108,13 @@ def test_a_node_with_the_wrong_secret_never_joins(cluster: Cluster, tmp_path: Pa
     finally:
         intruder.stop()
 
+    probe = NodeCertificate.create()
+
     async def call(secret: str) -> str:
         try:
-            async with peer_channel(cluster.nodes[0].grpc_address, secret, NodeId("probe")) as ch:
-                await pb_grpc.ClusterStub(ch).Hello(pb.HelloRequest(), timeout=5)
+            async with peer_channel(cluster.nodes[0].grpc_address, secret, probe) as ch:
+                hello = pb.HelloRequest(node_id=probe.node_id)
+                await pb_grpc.ClusterStub(ch).Hello(hello, timeout=5)
         except LinkError as error:
             return "untrusted" if error.untrusted else "unreachable"
         return "ok"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from exo.cluster.tls import NodeCertificate
 from exo.shared.event_log import EventLog
 from exo.shared.event_store import EventStore, now_ms, with_ids
 from exo.shared.types.events import Event, NodeJoined, NodeTelemetryReported
@@ -24,11 +25,11 @@ CAUGHT_UP_WITHIN_S = 30.0
 CATCH_UP_WAIT_S = 60.0
 
 
-def write_history(data_dir: Path, node_id: NodeId, n: int) -> None:
+def write_history(data_dir: Path, n: int) -> NodeId:
     """`n` events in `data_dir`'s log, as a long-lived master would have them:
-    it joined, then reported its telemetry again and again."""
-    data_dir.mkdir(parents=True)
-    (data_dir / "node_id").write_text(node_id)
+    it joined, then reported its telemetry again and again. Returns its id
+    (its certificate's, also made here)."""
+    node_id = NodeCertificate.load_or_create(data_dir / "tls").node_id
     store = EventStore(node_id, EventLog.open(data_dir / "events.log"))
     telemetry = NodeTelemetryReported(
         node_id=node_id,
@@ -42,12 +43,13 @@ def write_history(data_dir: Path, node_id: NodeId, n: int) -> None:
     for start in range(0, n, 5_000):
         store.index(node_id, with_ids(f"history-{start}", events[start : start + 5_000]))
     assert store.snapshot_idx >= n - 10_000  # compacted along the way (every 10k events)
+    return node_id
 
 
 def test_a_node_joining_a_cluster_with_100k_events_catches_up_in_seconds(
     cluster: Cluster,
 ) -> None:
-    write_history(cluster.tmp_path / "node0", NodeId("node-veteran"), HISTORY)
+    veteran_id = write_history(cluster.tmp_path / "node0", HISTORY)
     started = time.monotonic()
     veteran = cluster.start(0)
     # The restart loaded the snapshot and replayed only the log's tail.
@@ -59,7 +61,7 @@ def test_a_node_joining_a_cluster_with_100k_events_catches_up_in_seconds(
     caught_up = time.monotonic() - joined_at
     state = newcomer.get("/state")
     assert state["last_idx"] >= HISTORY
-    assert set(state["nodes"]) == {"node-veteran", newcomer.get("/node_id")}
+    assert set(state["nodes"]) == {veteran_id, newcomer.get("/node_id")}
     # Seconds, including the first election's wait for the other peers (a peer
     # timeout); following 100k events one by one takes minutes (~1,000 events/s).
     print(f"the veteran started in {loaded:.1f}s; the newcomer caught up in {caught_up:.1f}s")

@@ -1,6 +1,7 @@
 """Two cluster links in one process over loopback gRPC: a command sent from a
 follower is carried out by the master, and its reply's index is the one to
-wait for to see the effect on the follower."""
+wait for to see the effect on the follower; a node publishes only its own
+events; a peer lists only the model files inside the model's folder."""
 
 import socket
 from collections.abc import AsyncIterator
@@ -14,10 +15,13 @@ import grpc.aio
 import pytest
 
 from exo.cluster.link import ClusterLink
+from exo.cluster.model_files import PeerSource
 from exo.cluster.proto import cluster_pb2 as pb
 from exo.cluster.timing import LinkTiming
 from exo.cluster.tls import NodeCertificate
 from exo.master.master import Master
+from exo.models.file_source import SourceUnavailable
+from exo.models.local_store import ModelStore
 from exo.shared.event_log import EventLog
 from exo.shared.event_store import EventStore
 from exo.shared.types.commands import (
@@ -49,14 +53,17 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def two_links(tmp_path: Path) -> AsyncIterator[tuple[ClusterLink, ClusterLink]]:
-    """Node a (--force-master) and node b, joined and with telemetry."""
+async def two_links(
+    tmp_path: Path, models: ModelStore | None = None
+) -> AsyncIterator[tuple[ClusterLink, ClusterLink]]:
+    """Node a (--force-master, serving the model files of `models`) and node b,
+    joined and with telemetry."""
     ports = [free_port(), free_port()]
     peers = [f"127.0.0.1:{p}" for p in ports]
     links: list[ClusterLink] = []
     async with anyio.create_task_group() as group:
         for name, port, force in (("a", ports[0], True), ("b", ports[1], False)):
-            link = _link(tmp_path, name, port, peers, force)
+            link = _link(tmp_path, name, port, peers, force, models if force else None)
             await group.start(_run, link)
             group.start_soon(link.master.run)
             links.append(link)
@@ -83,9 +90,17 @@ async def two_links(tmp_path: Path) -> AsyncIterator[tuple[ClusterLink, ClusterL
         group.cancel_scope.cancel()
 
 
-def _link(tmp_path: Path, name: str, port: int, peers: list[str], force: bool) -> ClusterLink:
+def _link(
+    tmp_path: Path,
+    name: str,
+    port: int,
+    peers: list[str],
+    force: bool,
+    models: ModelStore | None,
+) -> ClusterLink:
     """A node's link and master, wired as a node wires them."""
-    store = EventStore(NodeId(name), EventLog.open(tmp_path / f"{name}.log"))
+    certificate = NodeCertificate.load_or_create(tmp_path / f"{name}-tls")
+    store = EventStore(certificate.node_id, EventLog.open(tmp_path / f"{name}.log"))
     links: list[ClusterLink] = []
     master = Master(
         store,
@@ -93,7 +108,6 @@ def _link(tmp_path: Path, name: str, port: int, peers: list[str], force: bool) -
         TIMING.heartbeat_seconds,
         heard_ms=lambda: links[0].membership.heard_ms(),
     )
-    certificate = NodeCertificate.load_or_create(tmp_path / f"{name}-tls")
     links.append(
         ClusterLink(
             store,
@@ -106,6 +120,7 @@ def _link(tmp_path: Path, name: str, port: int, peers: list[str], force: bool) -
             TIMING,
             certificate,
             force_master=force,
+            model_store=models,
         )
     )
     return links[0]
@@ -170,23 +185,48 @@ async def test_a_node_publishes_only_its_own_events(tmp_path: Path) -> None:
         # In another node's name: refused as a whole.
         joined_a = NodeJoined(node_id=a.node_id, grpc_address="x:1", started_at_ms=1)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await stub.PublishEvents(pb.EventBatch(events=[envelope("a", joined_a)]))
+            await stub.PublishEvents(pb.EventBatch(events=[envelope(a.node_id, joined_a)]))
         assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        # In its own name: its own facts are indexed, the master's decisions are not.
-        ack = await stub.PublishEvents(
-            pb.EventBatch(
-                events=[
-                    envelope("b", NodeTimedOut(node_id=a.node_id)),
-                    envelope("b", MasterElected(master_id=b.node_id, term=99)),
-                    envelope("b", joined_a),
-                    envelope(
-                        "b", NodeJoined(node_id=b.node_id, grpc_address=b.address, started_at_ms=2)
-                    ),
-                ]
+        # In its own name: its own facts are indexed; the master's decisions and
+        # another node's facts are not, and the refusal is the answer.
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.PublishEvents(
+                pb.EventBatch(
+                    events=[
+                        envelope(b.node_id, NodeTimedOut(node_id=a.node_id)),
+                        envelope(b.node_id, MasterElected(master_id=b.node_id, term=99)),
+                        envelope(b.node_id, joined_a),
+                        envelope(
+                            b.node_id,
+                            NodeJoined(node_id=b.node_id, grpc_address=b.address, started_at_ms=2),
+                        ),
+                    ]
+                )
             )
+        assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert raised.value.details() == (
+            f"refused event(s) that node {b.node_id} may not publish: "
+            "master_elected, node_joined, node_timed_out"
         )
-        assert ack.ok
         assert a.store.next_idx == before + 1
         assert a.state.nodes[b.node_id].started_at_ms == 2
         assert a.state.master_id == a.node_id and a.node_id in a.state.nodes
         assert a.state.nodes[a.node_id].grpc_address == a.address
+
+
+async def test_a_peer_lists_only_the_files_inside_the_models_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "models" / "org--m"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "weights.safetensors").write_bytes(b"w" * 10)
+    (tmp_path / "outside.txt").write_text("not the model's")
+    (folder / "escape.txt").symlink_to(tmp_path / "outside.txt")
+    (folder / "alias.json").symlink_to(folder / "config.json")  # a link inside the folder
+    async with two_links(tmp_path, ModelStore(tmp_path / "models")) as (a, b):
+        source = PeerSource(a.node_id, a.address, "secret", b.certificate)
+        listed = await source.list_files(M)
+        assert [f.path for f in listed] == ["alias.json", "config.json", "weights.safetensors"]
+        assert listed[2].size == 10
+        with pytest.raises(SourceUnavailable, match=r"no file 'escape\.txt'"):
+            async for _ in source.read(M, "escape.txt", 0):
+                pass

@@ -142,7 +142,7 @@ def serve_and_ask(cluster: Cluster, via: NodeProcess, model: ModelId, body: dict
     return answer
 
 
-def test_a_moe_and_a_hybrid_split_over_two_nodes_answer_through_a_node_that_serves_none(
+def test_a_moe_and_a_hybrid_split_both_ways_over_two_nodes_answer_through_a_node_that_serves_none(
     cluster: Cluster, tmp_path: Path, smollm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -166,6 +166,9 @@ def test_a_moe_and_a_hybrid_split_over_two_nodes_answer_through_a_node_that_serv
         )
         assert preview.status_code == 200, preview.text
         split = serve_and_ask(cluster, api_only, model, {"min_nodes": 2, "max_nodes": 2})
+        tensor = serve_and_ask(
+            cluster, api_only, model, {"sharding": "tensor", "min_nodes": 2, "max_nodes": 2}
+        )
         whole = serve_and_ask(cluster, api_only, model, {"max_nodes": 1})
-        assert split and split == whole, (model, split, whole)
+        assert split and split == whole == tensor, (model, split, tensor, whole)
     assert not set(workers) & {api_only.get("/node_id")}

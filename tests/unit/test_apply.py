@@ -15,6 +15,7 @@ from exo.shared.types.events import (
     InstanceDeleted,
     MasterElected,
     ModelCardPublished,
+    ModelFoldersUnreadable,
     NodeJoined,
     NodeTelemetryReported,
     NodeTimedOut,
@@ -31,6 +32,7 @@ from exo.shared.types.state import (
     NodeTelemetry,
     RunnerInfo,
     State,
+    UnreadableModelFolder,
 )
 from tests.unit.sharded_card import sharded_card
 
@@ -45,6 +47,7 @@ TELEMETRY = NodeTelemetry(
 )  # fmt: skip
 CARD = sharded_card(MODEL)
 BIG_CARD = sharded_card(BIG)
+BROKEN = UnreadableModelFolder(path="/models/org--broken", reason="ModelCardError: 0 layers")
 
 
 def node(node_id: NodeId, seen: int = 100, telemetry: NodeTelemetry | None = None) -> NodeInfo:
@@ -93,6 +96,7 @@ BASE = State(
         B: {BIG: progress(BIG)},
     },
     cards={MODEL: CARD},
+    unreadable_models={B: (BROKEN,)},
     master_id=A,
     master_term=3,
     last_idx=9,
@@ -133,11 +137,12 @@ CASES: list[tuple[str, IndexedEvent, State]] = [
         with_(BASE),
     ),
     (
-        "a timed-out node leaves with every instance it has a rank of, their runners "
-        "and its downloads",
+        "a timed-out node leaves with every instance it has a rank of, their runners, "
+        "its downloads and its unreadable folders",
         ev(NodeTimedOut(node_id=B)),
         with_(BASE, nodes={A: node(A, seen=200)}, instances={I1: inst(I1, A)},
-              runners={I1: BASE.runners[I1]}, downloads={A: BASE.downloads[A]}),
+              runners={I1: BASE.runners[I1]}, downloads={A: BASE.downloads[A]},
+              unreadable_models={}),
     ),
     (
         "the master timing out clears the master and the multi-rank instance it was in",
@@ -278,6 +283,21 @@ CASES: list[tuple[str, IndexedEvent, State]] = [
         with_(BASE, nodes=SEEN_A),
     ),
     (
+        "a node's unreadable model folders",
+        ev(ModelFoldersUnreadable(node_id=A, folders=(BROKEN,))),
+        with_(BASE, nodes=SEEN_A, unreadable_models={B: (BROKEN,), A: (BROKEN,)}),
+    ),
+    (
+        "a report of no unreadable folders clears the node's",
+        ev(ModelFoldersUnreadable(node_id=B, folders=()), B),
+        with_(BASE, nodes={A: node(A), B: node(B, seen=200)}, unreadable_models={}),
+    ),
+    (
+        "unreadable folders of an unknown node are ignored",
+        ev(ModelFoldersUnreadable(node_id=GHOST, folders=(BROKEN,)), GHOST),
+        with_(BASE),
+    ),
+    (
         "an event from an unknown origin only advances the index",
         ev(MasterElected(master_id=A, term=3), GHOST),
         with_(BASE),
@@ -303,7 +323,7 @@ def test_every_event_kind_has_a_case() -> None:
         cls.model_fields["kind"].default
         for cls in (NodeJoined, NodeTelemetryReported, NodeTimedOut, MasterElected,
                     InstanceCreated, InstanceDeleted, RunnerStatusChanged, ModelCardPublished,
-                    DownloadProgressed, DownloadRemoved)
+                    DownloadProgressed, DownloadRemoved, ModelFoldersUnreadable)
     }  # fmt: skip
     assert kinds == all_kinds
 

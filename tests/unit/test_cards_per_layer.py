@@ -322,6 +322,51 @@ def test_a_vision_language_gemma3_is_read_from_its_text_config() -> None:
     )
     assert model.layer_caches[5] == LayerCache(kind="attention", token_elements=2 * 4 * 256)
     assert model.layer_caches[0].window == 1024
+    assert (model.intermediate_size, model.moe_intermediate_size) == (10240, None)
+
+
+_SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100}
+
+
+@pytest.mark.parametrize(
+    ("config", "widths"),
+    [
+        (LLAMA_8B, (32, 8, 14336, None)),
+        (QWEN3_235B, (64, 4, 12288, 1536)),
+        (DEEPSEEK_V3, (128, 128, 18432, 2048)),
+        # Other families' spellings (gpt2, afm7, ...).
+        ({"model_type": "gpt2", "n_head": 4, "n_inner": 256} | _SMALL, (4, 4, 256, None)),
+        (
+            {"model_type": "afm7", "num_heads": 8, "num_kv_heads": 2, "ffn_dim": 128} | _SMALL,
+            (8, 2, 128, None),
+        ),
+        ({"model_type": "dbrx", "n_heads": 6, "ffn_hidden_size": 96} | _SMALL, (6, 6, 96, None)),
+        # A vision-language wrapper: the language model's in `text_config`.
+        (
+            {
+                "model_type": "qwen3_vl_moe",
+                "text_config": {
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 4,
+                    "intermediate_size": 512,
+                    "moe_intermediate_size": 64,
+                }
+                | _SMALL,
+            },
+            (16, 4, 512, 64),
+        ),
+    ],
+)
+def test_the_widths_a_tensor_split_divides_are_read_in_each_spelling(
+    config: dict[str, Any], widths: tuple[int, int, int | None, int | None]
+) -> None:
+    model = card(config)
+    assert (
+        model.n_heads,
+        model.n_kv_heads,
+        model.intermediate_size,
+        model.moe_intermediate_size,
+    ) == widths
 
 
 # A Nemotron-H-like model with one block of each kind.

@@ -74,6 +74,10 @@ def create(model_id: ModelId, *ranks: InstanceRank, instance_id: str = "new") ->
     return CreateInstance(instance_id=InstanceId(instance_id), model_id=model_id, ranks=ranks)
 
 
+def tensor(model_id: ModelId, *ranks: InstanceRank) -> CreateInstance:
+    return create(model_id, *ranks).model_copy(update={"sharding": "tensor"})
+
+
 def test_create_on_a_known_node() -> None:
     [event] = decide(STATE, create(M, rank(B, 0, 4)))
     assert event == InstanceCreated(
@@ -118,6 +122,20 @@ def test_a_retried_command_is_a_no_op(command: Command) -> None:
         # a ring needs every rank's address
         (create(M, rank(B, 0, 2), rank(D, 2, 4)), "node d has no cluster address", False),
         (DeleteInstance(instance_id=InstanceId("nope")), "no instance 'nope'", True),
+        # every tensor rank holds all layers; two ranks at least; heads that divide
+        (tensor(M, rank(B, 0, 4)), "a tensor instance needs at least 2 ranks, not 1", False),
+        (
+            tensor(M, rank(B, 0, 2), rank(E, 2, 4)),
+            "every rank of a tensor instance holds all 4 layers of org/m, [0,4): b[0,2), e[2,4)",
+            False,
+        ),
+        (tensor(M, rank(B, 0, 4), rank(E, 0, 3)), "holds all 4 layers of org/m", False),
+        (tensor(NO_CARD, rank(B, 0, 4), rank(E, 0, 5)), "holds all 4 layers", False),
+        (
+            tensor(M, rank(B, 0, 4), rank(E, 0, 4)),  # the card's one KV head
+            "cannot split org/m by tensors: 2 does not divide its KV heads (1)",
+            False,
+        ),
     ],
 )
 def test_rejections(command: Command, message: str, not_found: bool) -> None:
@@ -172,6 +190,15 @@ def test_a_two_rank_instance_of_a_carded_model() -> None:
     [event] = decide(STATE, create(M, rank(B, 0, 1), rank(E, 1, 4)))
     assert isinstance(event, InstanceCreated)
     assert event.instance.ranks == (rank(B, 0, 1), rank(E, 1, 4))
+    assert event.instance.ring_hosts == (f"10.0.0.2:{P1}", f"10.0.0.3:{P0}")
+
+
+def test_a_tensor_instance_on_explicit_ranks() -> None:
+    even = STATE.model_copy(update={"cards": {M: sharded_card(M, n_kv_heads=2)}})
+    [event] = decide(even, tensor(M, rank(B, 0, 4), rank(E, 0, 4)))
+    assert isinstance(event, InstanceCreated)
+    assert event.instance.sharding == "tensor"
+    assert event.instance.ranks == (rank(B, 0, 4), rank(E, 0, 4))
     assert event.instance.ring_hosts == (f"10.0.0.2:{P1}", f"10.0.0.3:{P0}")
 
 
@@ -250,6 +277,18 @@ def test_a_feasible_placement_creates_the_placed_instance(command: PlaceInstance
     assert instance.n_layers == CARD.n_layers
     # a ring of several ranks gets one address per rank, a single rank none
     assert len(instance.ring_hosts) == (len(instance.ranks) if len(instance.ranks) > 1 else 0)
+
+
+def test_a_tensor_placement_keeps_its_sharding_and_every_layer_on_every_rank() -> None:
+    cluster = CLUSTER.model_copy(update={"cards": {M: sharded_card(M, n_kv_heads=2)}})
+    command = place_cmd().model_copy(update={"sharding": "tensor"})
+    [event] = decide(cluster, command)
+    assert isinstance(event, InstanceCreated)
+    assert event.instance.sharding == "tensor"
+    assert event.instance.ranks == (rank(Y, 0, 4), rank(Z, 0, 4))
+    assert event.instance.min_nodes == 1  # the request as it was asked
+    with pytest.raises(CommandRejected, match="2 does not divide its KV heads"):
+        decide(CLUSTER, command)  # CARD has one KV head
 
 
 def test_placement_without_downloads_takes_the_node_with_the_most_ram() -> None:

@@ -38,10 +38,12 @@ from exo.shared.types.events import (
 )
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.state import NodeTelemetry, State
-from tests.unit.sharded_card import GB, sharded_card
+from tests.unit.sharded_card import GB, MB, sharded_card
 
 NODE = NodeId("node-a")
+PEER = NodeId("node-b")  # a second node, in `cluster_of_two`
 KNOWN = ModelId("org/known")  # the state has its card
+EVEN = ModelId("org/even")  # its card's heads split in two
 ON_HUB = ModelId("hub-org/tiny")  # only the hub has it
 HUB_CONFIG = {
     "model_type": "llama",
@@ -132,6 +134,19 @@ def cluster_of_one(reachable: bool = True) -> LocalCluster:
     return cluster
 
 
+def cluster_of_two() -> LocalCluster:
+    """`cluster_of_one` and PEER, with 16 GB free too, and `EVEN`'s card."""
+    cluster = cluster_of_one()
+    telemetry = cluster.state.nodes[NODE].telemetry
+    assert telemetry is not None
+    cluster.index(
+        NodeJoined(node_id=PEER, grpc_address="127.0.0.2:52414", started_at_ms=0),
+        NodeTelemetryReported(node_id=PEER, telemetry=telemetry),
+        ModelCardPublished(card=sharded_card(EVEN, n_kv_heads=2, intermediate_size=128)),
+    )
+    return cluster
+
+
 async def raised(call: Awaitable[Any]) -> APIError:
     with pytest.raises(APIError) as caught:
         await call
@@ -196,6 +211,73 @@ async def test_a_whole_model_is_created_on_this_node_and_deleted() -> None:
     assert cluster.state.instances == {}
 
 
+async def test_a_tensor_preview_says_so_and_each_nodes_share() -> None:
+    previews = await instance_previews(cluster_of_two().state, Hub(), EVEN, sharding="tensor")
+    assert previews["sharding"] == "tensor"
+    [only] = previews["placements"]  # two nodes hold one tensor instance
+    assert only["sharding"] == "tensor"
+    assert [(r["node_id"], r["start_layer"], r["end_layer"]) for r in only["ranks"]] == [
+        (NODE, 0, 4),
+        (PEER, 0, 4),
+    ]
+    # Half of the 4 x 100 MB layers and the 50 MB embedding and head whole, each.
+    assert only["weight_bytes"] == {NODE: 300 * MB, PEER: 300 * MB}
+    # 4 layers of keys and values of 2 KV heads of 8 over 4096 tokens in fp16, halved.
+    half_kv = 4 * 2 * 2 * 8 * 4096 * 2 // 2
+    assert only["kv_bytes"] == {NODE: half_kv, PEER: half_kv}
+    pipeline = await instance_previews(cluster_of_two().state, Hub(), EVEN)
+    assert {p["sharding"] for p in pipeline["placements"]} == {"pipeline"}
+
+
+async def test_placing_by_tensors_gives_each_rank_every_layer() -> None:
+    cluster = cluster_of_two()
+    placed = await place_instance(cluster, Hub(), PlaceRequest(model_id=EVEN, sharding="tensor"))
+    assert placed["sharding"] == "tensor" and placed["status"] == "downloading"
+    assert [(r["start_layer"], r["end_layer"]) for r in placed["ranks"]] == [(0, 4), (0, 4)]
+    [command] = cluster.commands
+    assert isinstance(command, PlaceInstance) and command.sharding == "tensor"
+    [instance] = cluster.state.instances.values()
+    assert instance.sharding == "tensor"
+
+
+async def test_a_bad_sharding_is_a_400_naming_it() -> None:
+    cluster = cluster_of_two()
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(instance_routes(cluster, Hub()))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        preview = await client.get(
+            "/instance/previews", params={"model_id": EVEN, "sharding": "diagonal"}
+        )
+        placed = await client.post("/place_instance", json={"model_id": EVEN, "sharding": "rows"})
+        tensor = await client.get(
+            "/instance/previews", params={"model_id": EVEN, "sharding": "tensor"}
+        )
+    for refused in (preview, placed):
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"].endswith("sharding")
+        assert "'pipeline' or 'tensor'" in error["message"]
+    assert cluster.commands == []
+    assert tensor.status_code == 200, tensor.text
+    assert tensor.json()["placements"][0]["sharding"] == "tensor"
+
+
+async def test_heads_a_tensor_split_does_not_divide_are_a_400_before_any_download() -> None:
+    cluster = cluster_of_two()
+    request = PlaceRequest(model_id=KNOWN, sharding="tensor")  # KNOWN has one KV head
+    error = await raised(place_instance(cluster, Hub(), request))
+    assert (error.status, error.code) == (400, "invalid_request")
+    assert (
+        "cannot split org/known by tensors: across 2 nodes, 2 does not divide its KV heads (1)"
+        in (error.message)
+    )
+    assert cluster.state.instances == {}
+    error = await raised(instance_previews(cluster.state, Hub(), KNOWN, sharding="tensor"))
+    assert (error.status, error.code) == (400, "placement_infeasible")
+
+
 Call = Callable[[LocalCluster], Awaitable[Any]]
 
 # fmt: off
@@ -214,6 +296,8 @@ ERRORS: list[tuple[str, Call, int, str, str]] = [
      400, "placement_infeasible", "min_nodes=2"),
     ("bad max_nodes", lambda c: instance_previews(c.state, Hub(), KNOWN, max_nodes=0),
      400, "placement_infeasible", "max_nodes"),
+    ("tensor on one node", lambda c: instance_previews(c.state, Hub(), KNOWN, sharding="tensor"),
+     400, "placement_infeasible", "a tensor instance needs at least 2"),
     ("unknown node",
      lambda c: create_instance(c, None, InstanceRequest(model_id=KNOWN, node_id="ghost")),
      404, "not_found", "ghost"),
@@ -282,3 +366,20 @@ async def test_await_ends_with_ready_once_the_runner_is() -> None:
     payload = json.loads(event.removeprefix("data: "))
     assert payload["status"] == "ready"
     assert payload["instances"][0]["instance_id"] == created["instance_id"]
+
+
+async def test_a_whole_model_too_large_for_its_node_is_refused_as_placement_would() -> None:
+    cluster = cluster_of_one()
+    hub = Hub()
+    # Keys and values of 1024 heads 16384 wide, over 512 layers: terabytes of KV reserve.
+    wide = {"num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 16384}
+    huge = HUB_CONFIG | wide | {"num_hidden_layers": 512}
+    hub.files["config.json"] = json.dumps(huge).encode()
+    error = await raised(create_instance(cluster, hub, InstanceRequest(model_id=ON_HUB)))
+    assert (error.status, error.code, error.param) == (400, "placement_infeasible", "node_id")
+    assert f"{ON_HUB} needs" in error.message and "free" in error.message
+    assert cluster.commands == [] and cluster.state.instances == {}
+    # What fits is created, and the same model twice on one node is refused.
+    await create_instance(cluster, None, InstanceRequest(model_id=KNOWN))
+    again = await raised(create_instance(cluster, None, InstanceRequest(model_id=KNOWN)))
+    assert (again.status, again.code) == (400, "placement_infeasible")

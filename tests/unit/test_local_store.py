@@ -1,13 +1,15 @@
 """`ModelStore`: the models directory and read-only model directories."""
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from exo.models.cards import card_from_folder
+from exo.models import local_store
+from exo.models.cards import MAX_METADATA_BYTES, card_from_folder
 from exo.models.local_store import LocalFile, ModelStore, ModelUnavailable
 from exo.models.weight_files import shard_files
 from exo.shared.types.ids import ModelId
@@ -286,8 +288,13 @@ def test_local_models_describe_valid_folders_and_skip_broken_ones(tiny: Path, di
     (dirs.models / "stray.txt").write_text("not a folder")
     put(tiny, dirs.ro1, "org--ro-only")
     put(tiny, dirs.ro2, "org--tiny", only={"config.json", INDEX, *WEIGHTS})  # models dir wins
-    found = {card.model_id: (card, files) for card, files in dirs.store().local_models()}
+    local = dirs.store().local_models()
+    found = {card.model_id: (card, files) for card, files in local.found}
     assert set(found) == {"org/tiny", "plain", "org/two--dashes", "org/ro-only"}
+    unreadable = {Path(folder.path).name: folder.reason for folder in local.unreadable}
+    assert set(unreadable) == {"org--broken", "org--no-weights", "bad name"}
+    assert "cannot read config.json" in unreadable["org--broken"]
+    assert "no safetensors weights" in unreadable["org--no-weights"]
     for model_id, folder in [
         ("org/tiny", dirs.models / "org--tiny"),
         ("plain", dirs.models / "plain"),
@@ -301,8 +308,62 @@ def test_local_models_describe_valid_folders_and_skip_broken_ones(tiny: Path, di
     assert [f.name for f in card.weight_files] == list(WEIGHTS)
 
 
+def set_config(folder: Path, **fields: object) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | fields))
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"num_hidden_layers": 0}, "0 layers"),  # was a ZeroDivisionError
+        ({"num_hidden_layers": 2**62}, f"{2**62} layers"),  # was a MemoryError
+        ({"num_attention_heads": 0}, "0 attention heads"),
+        ({"vocab_size": -1}, "-1 vocabulary size"),
+        ({"max_position_embeddings": 2**40}, "context length"),
+    ],
+)
+def test_a_folder_no_model_could_have_is_skipped_in_every_dir(
+    tiny: Path, dirs: Dirs, fields: dict[str, object], reason: str
+) -> None:
+    put(tiny, dirs.models, "org--good")
+    for root in (dirs.models, dirs.ro1):
+        set_config(put(tiny, root, "org--bad"), **fields)
+    local = dirs.store().local_models()
+    assert [card.model_id for card, _ in local.found] == ["org/good"]
+    [first, second] = local.unreadable
+    assert (first.path, second.path) == (str(dirs.models / "org--bad"), str(dirs.ro1 / "org--bad"))
+    assert first.reason.startswith("ModelCardError: ") and reason in first.reason
+
+
+def test_any_failure_to_describe_a_folder_skips_it(
+    tiny: Path, dirs: Dirs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    put(tiny, dirs.models)
+
+    def fails(model_id: ModelId, folder: Path) -> None:
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(local_store, "card_from_folder", fails)
+    [folder] = dirs.store().local_models().unreadable
+    assert folder.reason == "MemoryError: out of memory"
+
+
+def test_a_config_too_large_or_not_an_object_is_unreadable(tiny: Path, dirs: Dirs) -> None:
+    (put(tiny, dirs.models, "org--list") / "config.json").write_text("[1, 2]")
+    (put(tiny, dirs.models, "org--deep") / "config.json").write_text("[" * 100_000)
+    huge = put(tiny, dirs.models, "org--huge") / "config.json"
+    with huge.open("ab") as config:
+        config.truncate(MAX_METADATA_BYTES + 1)
+    reasons = {Path(f.path).name: f.reason for f in dirs.store().local_models().unreadable}
+    assert "not a JSON object" in reasons["org--list"]
+    assert "cannot read config.json" in reasons["org--deep"]
+    assert f"over {MAX_METADATA_BYTES} bytes" in reasons["org--huge"]
+
+
 def test_local_models_of_missing_dirs(tmp_path: Path) -> None:
-    assert ModelStore(tmp_path / "none", (tmp_path / "nothing",)).local_models() == []
+    local = ModelStore(tmp_path / "none", (tmp_path / "nothing",)).local_models()
+    assert (local.found, local.unreadable) == ([], ())
 
 
 # --- delete --------------------------------------------------------------------------
@@ -323,6 +384,14 @@ def test_delete_removes_only_the_writable_copy(tiny: Path, dirs: Dirs) -> None:
 
 def test_delete_of_an_unknown_model(dirs: Dirs) -> None:
     assert dirs.store().delete(M) is False
+
+
+def test_delete_of_a_linked_folder_removes_the_link_not_the_files(tiny: Path, dirs: Dirs) -> None:
+    target = put(tiny, dirs.ro1)
+    (dirs.models / "org--tiny").symlink_to(target, target_is_directory=True)
+    assert dirs.store().delete(M) is True
+    assert not (dirs.models / "org--tiny").exists()
+    assert {p.name for p in target.iterdir()} == FILES
 
 
 def test_writable_dir(dirs: Dirs) -> None:

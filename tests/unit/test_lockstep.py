@@ -22,8 +22,8 @@ from exo.engine.mlx.generate import (
 from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.lockstep import Decisions, LockstepBatch, LockstepFollower
 from exo.engine.mlx.one_at_a_time import OneAtATime
-from exo.engine.mlx.ring_agreements import RingLead, ring_prefix_cache
 from exo.engine.mlx.ring import Message
+from exo.engine.mlx.ring_agreements import RingLead, ring_prefix_cache
 from exo.shared.types.tasks import GenerationParams
 from tests.in_process_ring import QueueLink
 from tests.model_factory import make_tiny_model

@@ -19,6 +19,7 @@ from exo.shared.types.events import (
     InstanceDeleted,
     MasterElected,
     ModelCardPublished,
+    ModelFoldersUnreadable,
     NodeJoined,
     NodeTelemetryReported,
     NodeTimedOut,
@@ -153,8 +154,8 @@ def test_accepted_events_are_deduplicated_by_id(tmp_path: Path) -> None:
     store, master = cluster(tmp_path)
     before = store.next_idx
     joined = NodeJoined(node_id=B, grpc_address=None, started_at_ms=1)
-    assert master.accept(B, [("x:0", joined)]) == before
-    assert master.accept(B, [("x:0", joined)]) == before
+    assert master.accept(B, [("x:0", joined)]) == []
+    assert master.accept(B, [("x:0", joined)]) == []
     assert store.next_idx == before + 1
 
 
@@ -188,6 +189,8 @@ MINE = {RING.instance_id: RING, ALONE.instance_id: ALONE}
         (B, DownloadProgressed(node_id=C, progress=PROGRESS), False),
         (B, DownloadRemoved(node_id=B, model_id=M), True),
         (B, DownloadRemoved(node_id=C, model_id=M), False),
+        (B, ModelFoldersUnreadable(node_id=B, folders=()), True),
+        (B, ModelFoldersUnreadable(node_id=C, folders=()), False),
         (B, ModelCardPublished(card=CARD), True),
         (B, InstanceDeleted(instance_id=ALONE.instance_id), True),  # only B serves it
         (C, InstanceDeleted(instance_id=ALONE.instance_id), False),
@@ -203,13 +206,13 @@ def test_what_a_node_may_originate(origin: NodeId, event: Event, allowed: bool) 
     assert may_originate(State(instances=MINE), origin, event) is allowed
 
 
-def test_events_a_node_may_not_originate_are_refused_and_logged(tmp_path: Path) -> None:
+def test_events_a_node_may_not_originate_are_refused_returned_and_logged(tmp_path: Path) -> None:
     store, master = cluster(tmp_path)
     before = store.next_idx
     logged: list[str] = []
     sink = logger.add(logged.append, level="WARNING", format="{message}")
     try:
-        master.accept(
+        refused = master.accept(
             B,
             [
                 ("x:0", MasterElected(master_id=B, term=99)),
@@ -219,6 +222,7 @@ def test_events_a_node_may_not_originate_are_refused_and_logged(tmp_path: Path) 
         )
     finally:
         logger.remove(sink)
+    assert refused == [MasterElected(master_id=B, term=99), NodeTimedOut(node_id=C)]
     assert events_from(store, before) == [NodeTelemetryReported(node_id=B, telemetry=telemetry(4))]
     assert store.state.master_term == 1 and C in store.state.nodes
     assert len(logged) == 1

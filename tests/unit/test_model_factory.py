@@ -19,11 +19,13 @@ from tests.model_factory import TINY_FAMILIES, make_tiny_model
 PROMPT_TOKENS = 40  # longer than the sliding windows (16)
 DECODE_TOKENS = 12
 
-# The cache kinds each family's layers use, in layer order (6 layers).
+# The cache kinds each family's layers use, in layer order (6 layers); nemotron_h's
+# Mamba (M) and attention (*) blocks only, of its "M-*EME".
 CACHE_KINDS: dict[str, list[type]] = {
     "gpt_oss": [RotatingKVCache, KVCache] * 3,
     "gemma3_text": [RotatingKVCache, RotatingKVCache, KVCache] * 2,
     "qwen3_next": [ArraysCache, ArraysCache, KVCache] * 2,
+    "nemotron_h": [ArraysCache, KVCache, ArraysCache],
 }
 # Whether each layer's MLP is a mixture of experts.
 MOE_LAYERS: dict[str, list[bool]] = {
@@ -33,6 +35,7 @@ MOE_LAYERS: dict[str, list[bool]] = {
     "deepseek_v3": [False] + [True] * 5,
     "glm4_moe": [False] + [True] * 5,
     "qwen3_next": [True] * 6,
+    "nemotron_h": [False, False, False, True, False, True],
 }
 UNTIED = {
     "mistral",
@@ -43,6 +46,7 @@ UNTIED = {
     "deepseek_v3",
     "glm4_moe",
     "qwen3_next",
+    "nemotron_h",
 }
 
 
@@ -51,7 +55,8 @@ def prompt(vocab_size: int) -> mx.array:
 
 
 def is_moe(layer: nn.Module) -> bool:
-    mlp = layer["mlp"] if "mlp" in layer else layer["block_sparse_moe"]
+    # nemotron_h's blocks hold one mixer: Mamba, attention, MLP or MoE.
+    mlp = next(layer[key] for key in ("mlp", "block_sparse_moe", "mixer") if key in layer)
     return isinstance(mlp, nn.Module) and any(key in mlp for key in ("switch_mlp", "experts"))
 
 
@@ -109,7 +114,7 @@ def test_a_tiny_model_loads_as_written_and_decodes_varied_tokens(
 
 # Every family with 3 layers; with 4 those whose layer kinds follow a pattern.
 FEWER_LAYERS = [(family, 3) for family in TINY_FAMILIES] + [
-    (family, 4) for family in ("gpt_oss", "gemma3_text", "qwen3_next")
+    (family, 4) for family in ("gpt_oss", "gemma3_text", "qwen3_next", "nemotron_h")
 ]
 
 
@@ -130,3 +135,18 @@ def test_mlx_lm_load_reads_a_tiny_model_and_its_tokenizer(smollm_dir: Path, tmp_
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog")
     assert mx.all(mx.isfinite(model(mx.array([ids])))).item()
     assert tokenizer.eos_token_id == json.loads((path / "config.json").read_text())["eos_token_id"]
+
+
+def test_the_tiny_nemotron_h_has_every_block_kind(smollm_dir: Path, tmp_path: Path) -> None:
+    path = make_tiny_model("nemotron_h", tmp_path / "nemotron_h", smollm_dir)
+    model, config = load_model(path)
+    layers = model.layers
+    assert isinstance(layers, list)
+    assert [layer.block_type for layer in layers] == list("M-*EME")
+    # The MoE: a shared expert, no latent projections, no biases.
+    assert config["moe_latent_size"] is None
+    moe = layers[3]["mixer"]
+    assert isinstance(moe, nn.Module)
+    assert "shared_experts" in moe and "fc1_latent_proj" not in moe
+    biases = [name for name, _ in tree_flatten(moe.parameters()) if name.endswith("bias")]
+    assert biases == ["gate.e_score_correction_bias"]

@@ -7,6 +7,7 @@ import pytest
 from exo.master.commands import decide
 from exo.master.placement import (
     MAX_CANDIDATE_NODES,
+    MIN_TENSOR_RANKS,
     CapFn,
     Placement,
     PlacementError,
@@ -27,7 +28,10 @@ from exo.models.memory import (
     rank_kv,
     rank_memory,
     rank_weights,
+    tensor_rank_kv,
+    tensor_rank_weights,
 )
+from exo.shared.architectures import tensor_refusal
 from exo.shared.types.commands import PlaceInstance
 from exo.shared.types.events import InstanceCreated
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
@@ -40,7 +44,7 @@ from exo.shared.types.state import (
     NodeTelemetry,
     State,
 )
-from tests.unit.test_cards_per_layer import DEEPSEEK_V3
+from tests.unit.test_cards_per_layer import DEEPSEEK_V3, QWEN3_235B
 
 GB = 10**9
 MB = 10**6
@@ -568,3 +572,197 @@ def test_previews_split_each_nodes_memory_into_weights_and_kv() -> None:
         assert placement.kv_bytes[n] == rank_kv(model, "metal", rank.start_layer, rank.end_layer)
         weights = rank_weights(model, "metal", rank.start_layer, rank.end_layer)
         assert placement.weight_bytes[n] == weights
+
+
+# --- tensor placement: every node a slice of every layer ------------------------------
+
+TENSOR = PlacementRequest(sharding="tensor")
+
+
+def tensor_card(**overrides: Any) -> ModelCard:
+    """`card()` with heads and MLP widths that 2 and 4 divide, 3 does not."""
+    return card(n_heads=8, n_kv_heads=4, intermediate_size=256, **overrides)
+
+
+def test_a_tensor_placement_gives_every_node_a_slice_of_every_layer() -> None:
+    model = tensor_card()  # 30 layers of 100 MB, 50 MB of embedding, 50 MB of head
+    placement = place(model, cluster(node("a", 4), node("b", 3)), TENSOR)
+    assert placement.sharding == "tensor"
+    assert layout(placement) == [("a", 0, 30), ("b", 0, 30)]
+    # Half of each layer's weights and KV; the embedding and head whole on each.
+    kv_per_layer = KV_RESERVE_TOKENS * 2 * 4 * 8 * 2  # tokens x (k, v) x kv heads x dim x fp16
+    assert layer_kv(model, "metal") == (kv_per_layer,) * 30
+    assert placement.weight_bytes == {"a": 1500 * MB + 100 * MB, "b": 1500 * MB + 100 * MB}
+    assert placement.kv_bytes == {"a": 30 * kv_per_layer // 2, "b": 30 * kv_per_layer // 2}
+    a = NodeId("a")
+    assert placement.memory_bytes[a] == placement.weight_bytes[a] + placement.kv_bytes[a]
+    assert placement.free_bytes == int(6.3 * GB)
+
+
+def test_a_tensor_node_holds_one_nth_of_the_layers_and_all_of_the_rest() -> None:
+    model = tensor_card()
+    layers = sum(layer_weights(model, "metal"))
+    other = model.embedding_bytes + model.head_bytes
+    for n in (1, 2, 4):
+        assert tensor_rank_weights(model, "metal", n) == -(-layers // n) + other
+        assert tensor_rank_kv(model, "metal", n) == -(-rank_kv(model, "metal", 0, 30) // n)
+    # On the CPU backend: float32 weights, split the same way.
+    cpu_layers = sum(layer_weights(model, "cpu"))
+    assert tensor_rank_weights(model, "cpu", 4) == cpu_layers // 4 + other * 8 // 5 * 4
+    # Four nodes: each needs a quarter of the layers, which no pipeline rank would.
+    placement = place(model, cluster(*(node(n, 1.1) for n in "abcd")), TENSOR)
+    assert len(placement.ranks) == 4
+    assert set(placement.weight_bytes.values()) == {750 * MB + 100 * MB}
+
+
+def test_a_latent_cache_stays_whole_on_every_tensor_rank() -> None:
+    """MLA's latent is read by every head: mlx-lm's shard() splits the heads after it."""
+    model = card_from_config(ModelId("deepseek-v3-4bit"), DEEPSEEK_V3)
+    assert {c.kind for c in model.layer_caches} == {"latent"}
+    whole = rank_kv(model, "metal", 0, model.n_layers)
+    assert tensor_rank_kv(model, "metal", 4) == whole
+    # Keys and values of split heads are split.
+    latent, split = (LayerCache(kind=kind, token_elements=64) for kind in ("latent", "attention"))
+    mixed = tensor_card(n_layers=2, layer_caches=(latent, split))
+    latent_bytes, split_bytes = layer_kv(mixed, "metal")
+    assert latent_bytes == split_bytes == KV_RESERVE_TOKENS * 64 * 2
+    assert tensor_rank_kv(mixed, "metal", 2) == latent_bytes + split_bytes // 2
+
+
+def test_every_node_of_a_tensor_set_must_hold_its_share() -> None:
+    # a holds its 1.6 GB share, b (0.9 GB free) does not: no tensor set fits.
+    state = cluster(node("a", 4), node("b", 1))
+    with pytest.raises(PlacementError) as refused:
+        place(tensor_card(), state, TENSOR)
+    assert str(refused.value).startswith(
+        "m split by tensors needs 1.6 GB on each of 2 nodes (a slice of every layer, the "
+        "embedding and head whole), the candidate set's smallest node has 900.0 MB free (a, b;"
+    )
+    # A pipeline puts on b the layers it holds.
+    assert len(place(tensor_card(), state, PlacementRequest(min_nodes=2)).ranks) == 2
+
+
+def test_a_qwen3_moe_card_splits_by_tensors_where_its_heads_divide() -> None:
+    model = card_from_config(ModelId("qwen3-235b-4bit"), QWEN3_235B)
+    assert (model.n_heads, model.n_kv_heads) == (64, 4)
+    assert (model.intermediate_size, model.moe_intermediate_size) == (12288, 1536)
+    state = cluster(node("a", 96), node("b", 96), node("c", 96))
+    placements = preview(model, state, TENSOR)
+    # 3 does not divide 64 heads: only pairs, each node with half of the ~132 GB.
+    assert {len(p.ranks) for p in placements} == {2}
+    assert {p.sharding for p in placements} == {"tensor"}
+    whole = rank_memory(model, "metal", 0, model.n_layers)
+    for placement in placements:
+        for memory in placement.memory_bytes.values():
+            assert 0.5 * whole < memory < 0.52 * whole
+    with pytest.raises(PlacementError, match=re.escape("cannot split qwen3-235b-4bit by tensors")):
+        place(model, state, PlacementRequest(min_nodes=3, sharding="tensor"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nodes", "message"),
+    [
+        (
+            {"n_heads": 32, "n_kv_heads": 8, "intermediate_size": 14336},
+            3,
+            "cannot split m by tensors: across 3 nodes, 3 does not divide its attention heads "
+            "(32), KV heads (8), MLP intermediate size (14336)",
+        ),
+        (
+            {"n_heads": 8, "n_kv_heads": 1},
+            2,
+            "cannot split m by tensors: across 2 nodes, 2 does not divide its KV heads (1)",
+        ),
+        (
+            {"n_heads": 4, "n_kv_heads": 4, "moe_intermediate_size": 6},
+            4,
+            "across 4 nodes, 4 does not divide its MoE expert intermediate size (6)",
+        ),
+        (
+            {"n_heads": 6, "n_kv_heads": 6},
+            3,  # 2 and 3 divide 6, 4 does not: the set sizes 2..4 leave 2 and 3
+            None,
+        ),
+    ],
+)
+def test_a_tensor_split_needs_its_size_to_divide_the_heads_and_widths(
+    overrides: dict[str, Any], nodes: int, message: str | None
+) -> None:
+    state = cluster(*(node(n, 8) for n in "abcd"[: max(nodes, 3)]))
+    request = PlacementRequest(min_nodes=nodes, max_nodes=nodes, sharding="tensor")
+    if message is None:
+        sizes = {len(p.ranks) for p in preview(card(**overrides), state, TENSOR)}
+        assert sizes == {2, 3}
+        return
+    with pytest.raises(PlacementError) as refused:
+        preview(card(**overrides), state, request)
+    assert message in str(refused.value)
+
+
+def test_a_card_without_mlp_widths_is_not_refused() -> None:
+    """Unknown widths (a card from an older node) are left to the runner's load."""
+    model = card(n_heads=4, n_kv_heads=2)
+    assert (model.intermediate_size, model.moe_intermediate_size) == (None, None)
+    assert len(place(model, cluster(node("a", 8), node("b", 8)), TENSOR).ranks) == 2
+
+
+@pytest.mark.parametrize(
+    ("state", "request_", "message"),
+    [
+        (
+            cluster(node("a", 8)),
+            TENSOR,
+            "min_nodes=2 but only 1 node(s) have reported telemetry (a tensor instance needs "
+            "at least 2)",
+        ),
+        (
+            STATE,
+            PlacementRequest(max_nodes=1, sharding="tensor"),
+            "a tensor instance needs at least 2 nodes (each holds a slice of every layer), "
+            "not max_nodes=1",
+        ),
+    ],
+)
+def test_a_tensor_instance_needs_two_nodes(
+    state: State, request_: PlacementRequest, message: str
+) -> None:
+    assert MIN_TENSOR_RANKS == 2
+    with pytest.raises(PlacementError, match=re.escape(message)):
+        place(tensor_card(), state, request_)
+
+
+def test_min_nodes_one_is_taken_as_two_for_a_tensor_instance() -> None:
+    # One node holds the whole model; a tensor placement still takes two.
+    placements = preview(tensor_card(), STATE, PlacementRequest(min_nodes=1, sharding="tensor"))
+    assert {len(p.ranks) for p in placements} == {2}  # 3 does not divide its 8 heads
+    assert placements[0].node_ids == ("a", "b")
+
+
+def test_tensor_placement_refuses_an_architecture_with_no_strategy() -> None:
+    refusal = tensor_refusal("rwkv7")
+    assert refusal is not None and "no shard()" in refusal
+    with pytest.raises(PlacementError) as refused:
+        place(tensor_card(architecture="rwkv7"), STATE, TENSOR)
+    assert str(refused.value) == f"cannot split m by tensors: {refusal}"
+    # A pipeline placement of it is the whole model on one node.
+    assert len(place(tensor_card(architecture="rwkv7"), STATE).ranks) == 1
+
+
+def test_download_progress_steers_a_tensor_placement() -> None:
+    state = cluster(node("a", 32), node("b", 16), node("c", 8))
+    best = place(tensor_card(), state, TENSOR, progress=progress_of(b=1.0, c=1.0))
+    assert best.node_ids == ("b", "c") and best.download_progress == 2.0
+
+
+def test_placing_by_tensors_places_what_the_first_preview_shows() -> None:
+    model = tensor_card()
+    state = with_addresses(STATE).model_copy(update={"cards": {model.model_id: model}})
+    [first, *_] = preview(model, state, TENSOR)
+    command = PlaceInstance(
+        instance_id=InstanceId("new"), model_id=model.model_id, sharding="tensor"
+    )
+    [created] = [e for e in decide(state, command) if isinstance(e, InstanceCreated)]
+    assert created.instance.sharding == "tensor"
+    assert created.instance.ranks == first.ranks
+    assert created.instance.n_layers == model.n_layers
+    assert len(created.instance.ring_hosts) == 2

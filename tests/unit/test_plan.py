@@ -20,7 +20,7 @@ from exo.worker.plan import (
     plan,
     wants_standby,
 )
-from tests.unit.sharded_card import CONFIG, TOKENIZER, W1, W2, W3, sharded_card
+from tests.unit.sharded_card import CONFIG, METADATA, TOKENIZER, W1, W2, W3, sharded_card
 
 ME, OTHER, THIRD = NodeId("me"), NodeId("other"), NodeId("third")
 M = ModelId("org/m")  # 4 layers; its card is in the state
@@ -41,6 +41,12 @@ def inst(i: str, *nodes: NodeId, model_id: ModelId = M) -> Instance:
         for k, n in enumerate(nodes)
     )
     return Instance(instance_id=InstanceId(i), model_id=model_id, ranks=ranks)
+
+
+def tensor_inst(i: str, *nodes: NodeId) -> Instance:
+    """One rank per node, each a slice of all 4 layers."""
+    ranks = tuple(InstanceRank(node_id=n, start_layer=0, end_layer=4) for n in nodes)
+    return Instance(instance_id=InstanceId(i), model_id=M, ranks=ranks, sharding="tensor")
 
 
 def dl(
@@ -87,6 +93,7 @@ def fetch(i: str, files: frozenset[str] | None, model_id: ModelId = M) -> StartD
 
 
 SOLO, RING0, RING1 = inst("a", ME), inst("r", ME, OTHER), inst("r", OTHER, ME)
+TENSOR0, TENSOR1 = tensor_inst("t", ME, OTHER), tensor_inst("t", OTHER, ME)
 MINE = {M: ALL}  # this node has every file of M
 
 CASES: list[tuple[str, State, LocalFacts, Action | None]] = [
@@ -116,6 +123,10 @@ CASES: list[tuple[str, State, LocalFacts, Action | None]] = [
     ("a single rank fetches every file", state(SOLO), facts(), fetch("a", ALL)),
     ("rank 0 of two fetches the first half", state(RING0), facts(), fetch("r", FIRST)),
     ("rank 1 of two fetches the second half", state(RING1), facts(), fetch("r", SECOND)),
+    ("tensor rank 0 fetches every file", state(TENSOR0), facts(), fetch("t", ALL)),
+    ("tensor rank 1 fetches every file", state(TENSOR1), facts(), fetch("t", ALL)),
+    ("a tensor rank's half of the files is not enough", state(TENSOR0),
+     facts(have={M: FIRST}), fetch("t", ALL)),
     ("an unknown card: fetch everything", state(inst("a", ME, model_id=NO_CARD)), facts(),
      fetch("a", None, NO_CARD)),
     ("partial files in the state: fetch", state(SOLO, downloads={ME: dl({W1, W2}, "downloading")}),
@@ -160,6 +171,10 @@ CASES: list[tuple[str, State, LocalFacts, Action | None]] = [
     ("other rank has its files while fetching more",
      state(RING0, downloads={OTHER: dl(SECOND, "downloading")}), facts(have=MINE),
      StartRunner(RING0, 0)),
+    ("other tensor rank has half of the files", state(TENSOR0, downloads={OTHER: dl(SECOND)}),
+     facts(have=MINE), None),
+    ("other tensor rank has every file: tensor rank 1 starts",
+     state(TENSOR1, downloads={OTHER: dl(ALL)}), facts(have=MINE), StartRunner(TENSOR1, 1)),
     ("three ranks, one other missing",
      state(inst("t", OTHER, ME, THIRD), downloads={OTHER: dl(ALL)}), facts(have=MINE), None),
     ("three ranks, all there",
@@ -194,6 +209,11 @@ def test_halves_are_the_cards_shard_files() -> None:
     assert shard_files(CARD, 2, 4) == SECOND
     assert needed_files(state(RING1), RING1, ME) == SECOND
     assert needed_files(state(RING1), RING1, THIRD) is None
+
+
+def test_every_tensor_rank_needs_every_file_of_the_model() -> None:
+    for node_id in (ME, OTHER):
+        assert needed_files(state(TENSOR1), TENSOR1, node_id) == ALL == {W1, W2, W3} | METADATA
 
 
 def test_carrying_out_the_plan_ends() -> None:

@@ -157,6 +157,20 @@ def test_a_replacement_keeps_the_request_where_the_survivors_allow(
     again = replacement(placed, available)
     assert (again.min_nodes, again.max_nodes) == expected
     assert again.model_id == M and again.instance_id != PAIR.instance_id
+    assert again.sharding == "pipeline"
+
+
+def test_a_replacement_asks_for_the_same_sharding() -> None:
+    split = Instance(
+        instance_id=InstanceId("t"),
+        model_id=M,
+        ranks=tuple(InstanceRank(node_id=n, start_layer=0, end_layer=4) for n in (A, B)),
+        sharding="tensor",
+    )
+    assert replacement(split, available_nodes=2).sharding == "tensor"
+    # One node left: still a tensor request, which placement refuses until a second is back.
+    lone = replacement(split, available_nodes=1)
+    assert (lone.min_nodes, lone.sharding) == (1, "tensor")
 
 
 def test_an_instance_already_gone_is_only_placed(clock: Clock) -> None:

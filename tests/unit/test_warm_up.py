@@ -29,7 +29,7 @@ model_dir, caches, warm = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:4]], s
 model, tokenizer = load_for_inference(model_dir)
 local = LocalModel(model, tokenizer)
 if warm:
-    warm_up(local, True)
+    warm_up(local, local.make_cache())
 no_eos = {tokenizer.eos_token_id: -100.0}
 greedy = GenerationParams(max_tokens=24, temperature=0, logit_bias=no_eos)
 drawn = GenerationParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=3, logit_bias=no_eos)

@@ -8,7 +8,7 @@ from starlette.responses import Response
 
 from exo.api import anthropic
 from exo.api.anthropic_types import CountTokensRequest, MessagesRequest, TokenCount
-from exo.api.generation import prepare_reply, render
+from exo.api.generation import count_prompt_tokens, prepare_reply
 from exo.api.serving import ModelRouter, Relay, relay, sse_response, until_disconnect
 
 _ID_CHARACTERS = string.ascii_letters + string.digits
@@ -42,7 +42,9 @@ def anthropic_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter
         if isinstance(model, Relay):
             return await relay(model, request)
         chat = anthropic.count_tokens_to_chat_request(body)
-        prompt = await render(model, chat.model_copy(update={"model": model.model_id}))
-        return TokenCount(input_tokens=len(prompt.tokens))
+        counted = await count_prompt_tokens(
+            model, chat.model_copy(update={"model": model.model_id})
+        )
+        return TokenCount(input_tokens=counted)
 
     return routes

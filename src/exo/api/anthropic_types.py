@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from exo.api.request_fields import (
+    RequestBody,
     choice_not_among_tools,
     declared_types,
     reject_repeated_names,
@@ -289,7 +290,7 @@ IGNORED_MESSAGES_FIELDS: dict[str, str] = {
 }
 
 
-class MessagesRequestBase(FrozenModel):
+class MessagesRequestBase(RequestBody):
     """What a message and a token count share: the prompt and its tools."""
 
     model: str

@@ -7,9 +7,12 @@ context checked and `max_tokens` clamped to it, the model's sampling defaults
 filled in, the constraint built (structured output, forced tool calls, strict
 tools) and checked, the runner's text read through the reasoning split and the
 tool-call parser, and the reasoning's tokens counted. 4xx errors are raised
-before anything runs.
+before anything runs; what costs work (tokenizing, compiling a grammar) waits
+for a slot of the model, so the queue's bound bounds it, and runs off the
+event loop.
 """
 
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
@@ -35,6 +38,7 @@ from exo.api.reply_stream import (
     TokenLogprobs,
     TopLogprob,
 )
+from exo.api.schema_instances import has_finite_instance
 from exo.engine.constraint_grammar import ConstraintError, check_constraint
 from exo.engine.reasoning import ReasoningPiece, ThinkingMarkers, detect_thinking_markers
 from exo.engine.reply import ReplyParser
@@ -46,6 +50,8 @@ from exo.shared.types.chat import (
     JsonObjectFormat,
     JsonSchemaFormat,
     NamedToolChoice,
+    TextPrompt,
+    TokenPrompt,
     ToolFunction,
 )
 from exo.shared.types.constraints import Constraint, JsonObject, JsonSchema, ToolCalls, ToolSpec
@@ -139,6 +145,36 @@ def _tool_spec(tool: ToolFunction, forced: bool) -> ToolSpec:
     return ToolSpec(name=tool.name, parameters=parameters, strict=tool.strict)
 
 
+def _context_exceeded(model: ServedModel, why: str) -> APIError:
+    return invalid(
+        f"This model's maximum context length is {model.context_length} tokens. {why}",
+        "messages",
+        "context_length_exceeded",
+    )
+
+
+def check_prompt_size(model: ServedModel, request: ChatRequest) -> None:
+    """A 400 for a prompt that its size alone shows is longer than the context,
+    before anything is tokenized: no token spans more than `max_token_bytes`
+    bytes of text, and a template shows every message but the assistant's whole
+    (those it may shorten), so their text needs at least bytes / that many tokens."""
+    match request.prompt:
+        case TokenPrompt():
+            return  # counted exactly, without tokenizing (`generation_params`)
+        case TextPrompt(text=text):
+            size = len(text.encode())
+        case None:
+            texts = (turn.content for turn in request.turns if turn.role != "assistant")
+            size = sum(len(text.strip().encode()) for text in texts)
+    least = math.ceil(size / model.max_token_bytes)
+    if least >= model.context_length:
+        raise _context_exceeded(
+            model,
+            f"Your prompt holds {size} bytes of text: at least {least} tokens "
+            f"(no token of this model is longer than {model.max_token_bytes} bytes).",
+        )
+
+
 def check_vocabulary(tokens: Iterable[int], vocabulary: int, param: str) -> None:
     """A 400 for a token id outside the model's vocabulary (the runner would
     index past its embedding table)."""
@@ -154,12 +190,7 @@ def generation_params(
 ) -> GenerationParams:
     room = model.context_length - prompt_tokens
     if room <= 0:
-        raise invalid(
-            f"This model's maximum context length is {model.context_length} tokens. "
-            f"Your messages resulted in {prompt_tokens} tokens.",
-            "messages",
-            "context_length_exceeded",
-        )
+        raise _context_exceeded(model, f"Your messages resulted in {prompt_tokens} tokens.")
     sampling, defaults = request.sampling, model.sampling_defaults
     check_vocabulary(sampling.logit_bias, model.vocabulary_size, "logit_bias")
 
@@ -281,17 +312,19 @@ class _Run:
                                 reason = "stop_sequence"
                             if calls and reason != "length":
                                 reason = "tool_calls"
+                            thought = await anyio.to_thread.run_sync(
+                                reasoning_tokens,
+                                self.model.tokenizer,
+                                self.thinking if reasoned else None,
+                                "".join(output),
+                                message.usage.completion_tokens,
+                            )
                             yield ReplyFinished(
                                 finish_reason=reason,
                                 stop_sequence=message.stop_sequence,
                                 usage=message.usage,
                                 tool_calls=tuple(end.call for end in calls),
-                                reasoning_tokens=reasoning_tokens(
-                                    self.model.tokenizer,
-                                    self.thinking if reasoned else None,
-                                    "".join(output),
-                                    message.usage.completion_tokens,
-                                ),
+                                reasoning_tokens=thought,
                             )
                             return
                         case TaskFailed(error=error, runner_lost=True):
@@ -305,33 +338,79 @@ class _Run:
         raise generation_failed("the runner ended the task without a result")
 
 
+def _check_constraint(constraint: Constraint) -> None:
+    """A 400 for a constraint no reply can satisfy: its grammar does not compile,
+    or a schema in it has no finite instance (the reply would end empty)."""
+    param = "response_format" if isinstance(constraint, JsonObject | JsonSchema) else "tools"
+    match constraint:
+        case JsonSchema(json_schema=schema) if not has_finite_instance(schema):
+            raise invalid("json_schema: no finite JSON value matches the schema", param)
+        case ToolCalls(tools=tools):
+            for tool in tools:
+                if not has_finite_instance(tool.parameters):
+                    raise invalid(
+                        f"parameters of tool {tool.name!r}: no finite JSON value matches them",
+                        param,
+                    )
+        case _:
+            pass
+    try:
+        check_constraint(constraint)
+    except ConstraintError as error:
+        raise invalid(str(error), param) from error
+
+
+async def _admitted(model: ServedModel, request: ChatRequest) -> Slot:
+    """A slot of `model` for `request` (429 at once when its queue is full),
+    then the prompt's size checked: before any work (tokenizing, compiling a
+    grammar), which the queue's bound thus bounds."""
+    if model.runner.status == "failed":
+        raise runner_unavailable(f"{model.runner.error}; it is restarting")
+    slot = await admit(model.model_id)
+    try:
+        check_prompt_size(model, request)
+    except APIError:
+        slot.release()
+        raise
+    return slot
+
+
+async def count_prompt_tokens(model: ServedModel, request: ChatRequest) -> int:
+    """The length of `request`'s prompt, under a generation's limits: it holds
+    a slot of the model (429/503 as a generation would get) while its size is
+    checked and it is tokenized."""
+    slot = await _admitted(model, request)
+    try:
+        return len((await render(model, request)).tokens)
+    finally:
+        slot.release()
+
+
 async def prepare_reply(
     model: ServedModel,
     request: ChatRequest,
     keepalive_seconds: float,
     new_call_id: Callable[[], str] | None = None,
 ) -> PreparedReply:
-    """Check and render `request` for `model` (4xx as `APIError`), then wait for
-    a slot of the model (429 when its queue is full, 503 when the wait is too
-    long); the reply runs when its `events` are read."""
+    """Check `request` for `model` (4xx as `APIError`) and take a slot of the
+    model (429 when its queue is full, 503 when the wait is too long) before
+    rendering the prompt or compiling a grammar; the reply runs when its
+    `events` are read."""
     observer = observe_generation(model.model_id)
-    prompt = await render(model, request)
-    if not prompt.tokens:  # e.g. a text prompt of characters the tokenizer drops
-        raise invalid("the prompt has no tokens", "prompt" if request.prompt else "messages")
-    check_vocabulary(prompt.tokens, model.vocabulary_size, "prompt")
     fmt = tool_call_format(model.tokenizer)
     constraint = constraint_for(request, fmt)
-    if constraint is not None:
-        try:
-            check_constraint(constraint)
-        except ConstraintError as error:
-            param = (
-                "response_format" if isinstance(constraint, JsonObject | JsonSchema) else "tools"
-            )
-            raise invalid(str(error), param) from error
-    params = generation_params(model, request, len(prompt.tokens), constraint)
-    if model.runner.status == "failed":
-        raise runner_unavailable(f"{model.runner.error}; it is restarting")
+    slot = await _admitted(model, request)
+    try:
+        prompt = await render(model, request)
+        if not prompt.tokens:  # e.g. a text prompt of characters the tokenizer drops
+            raise invalid("the prompt has no tokens", "prompt" if request.prompt else "messages")
+        check_vocabulary(prompt.tokens, model.vocabulary_size, "prompt")
+        params = generation_params(model, request, len(prompt.tokens), constraint)
+        if constraint is not None:
+            await anyio.to_thread.run_sync(_check_constraint, constraint)
+    except BaseException:
+        slot.release()
+        raise
     task = Generate(
         task_id=new_task_id(),
         tokens=prompt.tokens,
@@ -343,7 +422,6 @@ async def prepare_reply(
     parser = ReplyParser.for_prompt(
         template, tail, fmt if _tools_offered(request) else None, new_call_id
     )
-    slot = await admit(model.model_id)
     thinking = detect_thinking_markers(template)
     run = _Run(model, task, parser, keepalive_seconds, slot, observer, thinking)
     return PreparedReply(

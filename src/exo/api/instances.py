@@ -32,7 +32,7 @@ from exo.shared.types.commands import (
 )
 from exo.shared.types.ids import InstanceId, ModelId, NodeId, new_instance_id
 from exo.shared.types.model_card import ModelCard
-from exo.shared.types.state import Instance, InstanceRank, State
+from exo.shared.types.state import Instance, InstanceRank, Sharding, State
 
 HUB_CARD_TIMEOUT_SECONDS = 60.0
 # How long POST /place_instance waits for the new instance to show in the state.
@@ -54,6 +54,8 @@ class PlaceRequest(BaseModel):
     model_id: str
     min_nodes: int = Field(default=1, ge=1)
     max_nodes: int | None = Field(default=None, ge=1)
+    # "tensor": every node a slice of every layer (at least 2 nodes).
+    sharding: Sharding = "pipeline"
 
 
 def model_id_param(value: str, param: str = "model_id") -> ModelId:
@@ -83,6 +85,7 @@ def instance_view(state: State, instance: Instance) -> dict[str, Any]:
         "instance_id": instance.instance_id,
         "model_id": instance.model_id,
         "status": state.instance_status(instance),
+        "sharding": instance.sharding,
         "ring_hosts": list(instance.ring_hosts),
         "ranks": ranks,
     }
@@ -145,6 +148,20 @@ async def placed(cluster: ClusterView, instance_id: InstanceId, last_idx: int) -
     return instance_view(cluster.state, instance)
 
 
+def check_fits_on(state: State, node_id: NodeId, card: ModelCard) -> None:
+    """The RAM check `POST /place_instance` makes (`placement.preview`), for the
+    one node a whole model is created on; a node the state does not know (or
+    has no memory of yet) is the master's to refuse."""
+    node = state.nodes.get(node_id)
+    if node is None or node.telemetry is None:
+        return
+    alone = state.model_copy(update={"nodes": {node_id: node}})
+    try:
+        preview(card, alone, PlacementRequest(max_nodes=1))
+    except PlacementError as error:
+        raise invalid(str(error), "node_id", "placement_infeasible") from error
+
+
 async def create_instance(
     cluster: ClusterView, hub: FileSource | None, body: InstanceRequest
 ) -> dict[str, Any]:
@@ -152,6 +169,7 @@ async def create_instance(
     model_id = model_id_param(body.model_id)
     card = await known_card(cluster.state, model_id, hub)
     node = NodeId(body.node_id) if body.node_id else cluster.node_id
+    check_fits_on(cluster.state, node, card)
     instance_id = new_instance_id()
     rank = InstanceRank(node_id=node, start_layer=0, end_layer=card.n_layers)
     last_idx = await send_command(
@@ -176,6 +194,7 @@ async def place_instance(
             model_id=model_id,
             min_nodes=body.min_nodes,
             max_nodes=body.max_nodes,
+            sharding=body.sharding,
             card=card,  # the master publishes it with the instance if it is new
         ),
     )
@@ -188,21 +207,24 @@ async def instance_previews(
     model_id: str,
     min_nodes: int = 1,
     max_nodes: int | None = None,
+    sharding: Sharding = "pipeline",
 ) -> dict[str, Any]:
-    """Every feasible placement of a model on the cluster, best first, or why none fits.
-    Each says per node the RAM its rank needs (`memory_bytes`), split into weights
-    as loaded (`weight_bytes`) and the cache reserve of its layers (`kv_bytes`).
+    """Every feasible placement of a model on the cluster with `sharding`, best
+    first, or why none fits. Each says its `sharding` and per node the RAM its
+    rank needs (`memory_bytes`), split into weights as loaded (`weight_bytes`)
+    and the cache reserve of its layers (`kv_bytes`).
 
     Reads the state only: a hub model's card serves the preview here and reaches
     the cluster when the model is placed (a GET changes nothing)."""
     card = await known_card(state, model_id_param(model_id), hub)
     try:
-        request = PlacementRequest(min_nodes=min_nodes, max_nodes=max_nodes)
+        request = PlacementRequest(min_nodes=min_nodes, max_nodes=max_nodes, sharding=sharding)
         placements = preview(card, state, request)
     except (PlacementError, ValidationError) as error:
         raise invalid(str(error), code="placement_infeasible") from error
     return {
         "model_id": card.model_id,
+        "sharding": sharding,
         "placements": [p.model_dump(mode="json") for p in placements],
     }
 
@@ -324,9 +346,12 @@ def instance_routes(
 
     @router.get("/instance/previews")
     async def _instance_previews(
-        model_id: str, min_nodes: int = 1, max_nodes: int | None = None
+        model_id: str,
+        min_nodes: int = 1,
+        max_nodes: int | None = None,
+        sharding: Sharding = "pipeline",
     ) -> dict[str, Any]:
-        return await instance_previews(cluster.state, hub, model_id, min_nodes, max_nodes)
+        return await instance_previews(cluster.state, hub, model_id, min_nodes, max_nodes, sharding)
 
     @router.get("/instances")
     async def _list_instances() -> dict[str, Any]:

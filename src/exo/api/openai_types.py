@@ -26,6 +26,7 @@ from exo.api.request_fields import (
     CACHE_BY_TOKENS,
     NO_END_USERS,
     SCHEMA_NOT_SHOWN,
+    RequestBody,
     choice_not_among_tools,
     declared_types,
     reject_non_function_choice,
@@ -225,7 +226,7 @@ class StreamOptions(FrozenModel):
     include_obfuscation: bool | None = None  # ignored
 
 
-class CommonRequestFields(FrozenModel):
+class CommonRequestFields(RequestBody):
     """What chat and legacy completions requests share: limits, sampling, streaming."""
 
     model: str
@@ -264,7 +265,8 @@ class CommonRequestFields(FrozenModel):
     @classmethod
     def _token_biases(cls, biases: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (biases or {}).items():
-            if not token.isdigit():
+            # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+            if not (token.isascii() and token.isdigit()):
                 raise unsupported(f"logit_bias keys are token ids; {token!r} is not one")
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                 raise unsupported(

@@ -1,11 +1,22 @@
 """Checks the three API request modules (OpenAI chat and completions,
 Anthropic Messages, OpenAI Responses) share: how an unsupported value is
-reported, and the checks on raw JSON and on tools that read the same in each."""
+reported, the checks on raw JSON and on tools that read the same in each, and
+the base of every request body (`RequestBody`)."""
 
+import math
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
+from pydantic import model_validator
 from pydantic_core import PydanticCustomError
+
+from exo.shared.types.frozen import FrozenModel
+
+# Deepest nesting of objects and arrays a request body may have: chat
+# templates and grammar compilers recurse through it (Python's recursion
+# limit, about 1000, fails a few hundred levels down). Real tool schemas nest
+# a few levels.
+MAX_JSON_DEPTH = 64
 
 
 def unsupported(message: str) -> PydanticCustomError:
@@ -50,3 +61,59 @@ def choice_not_among_tools(kind: str, name: str, names: set[str]) -> PydanticCus
 NO_END_USERS = "an end user's id, for OpenAI's abuse monitoring: exo has none"
 CACHE_BY_TOKENS = "the prefix cache matches prompts by their tokens, with no keys or breakpoints"
 SCHEMA_NOT_SHOWN = "the schema is not shown to the model: the grammar enforces it"
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _where(path: tuple[object, ...]) -> str:
+    # Keys are shown with their lone surrogates escaped: the message must encode.
+    shown = ".".join(str(part).encode("utf-8", "backslashreplace").decode() for part in path)
+    return shown or "the request body"
+
+
+def sound_json_problem(body: object) -> str | None:
+    """Why a decoded JSON body cannot be used, or None: nested deeper than
+    `MAX_JSON_DEPTH`, a string (or key) with a lone surrogate (a `\\ud800`
+    escape: not UTF-8, so no tokenizer or reply can carry it), or a number
+    JSON does not have (`NaN`, `Infinity`, or one too large for a float).
+    Walked without recursion, so any depth is safe to look at."""
+    pending: list[tuple[object, tuple[object, ...]]] = [(body, ())]
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, dict):
+            entries = cast(dict[object, object], value).items()
+        elif isinstance(value, list):
+            entries = enumerate(cast(list[object], value))
+        elif isinstance(value, str) and _has_lone_surrogate(value):
+            return f"{_where(path)}: holds a lone surrogate (strings must be valid Unicode)"
+        elif isinstance(value, float) and not math.isfinite(value):
+            return f"{_where(path)}: numbers must be finite"
+        else:
+            continue
+        if len(path) >= MAX_JSON_DEPTH:
+            return f"{_where(path)}: nested deeper than {MAX_JSON_DEPTH} levels"
+        for key, item in entries:
+            if isinstance(key, str) and _has_lone_surrogate(key):
+                return f"{_where((*path, key))}: the key holds a lone surrogate"
+            pending.append((item, (*path, key)))
+    return None
+
+
+class RequestBody(FrozenModel):
+    """The body of a generation or token-count request: before its fields are
+    read, the whole decoded JSON must be sound (`sound_json_problem`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sound_json(cls, body: Any) -> Any:
+        if problem := sound_json_problem(body):
+            raise unsupported(problem)
+        return body

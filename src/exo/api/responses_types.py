@@ -21,6 +21,7 @@ from exo.api.request_fields import (
     CACHE_BY_TOKENS,
     NO_END_USERS,
     SCHEMA_NOT_SHOWN,
+    RequestBody,
     choice_not_among_tools,
     declared_types,
     reject_non_function_choice,
@@ -256,7 +257,7 @@ IGNORED_RESPONSES_FIELDS: dict[str, str] = {
 }
 
 
-class ResponsesRequest(FrozenModel):
+class ResponsesRequest(RequestBody):
     """`POST /v1/responses`."""
 
     model: str

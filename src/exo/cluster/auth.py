@@ -1,25 +1,37 @@
-"""Who may use a node's cluster link: the holders of the cluster secret.
+"""Who may use a node's cluster link: the holders of the cluster secret, each
+as the node its certificate names.
 
 The link runs over TLS (`exo.cluster.tls`: a self-signed certificate per node,
-which the caller reads and then trusts exactly). A caller proves it knows the
-secret without sending it, in two calls that need no session:
+which the caller reads and then trusts exactly; a node's id is a digest of its
+certificate's key). A caller proves it knows the secret without sending it,
+and that it holds the key of the node id it states, in two calls that need no
+session:
 
 1. `Challenge(client_nonce)` -> `server_nonce`, `server_proof`
-2. `Prove(client_nonce, server_nonce, client_proof, node_id)` -> a session token
+2. `Prove(client_nonce, server_nonce, client_proof, node_id, certificate,
+   signature)` -> a session token
 
 with `proof(role) = HMAC-SHA256(secret, role || client_nonce || server_nonce ||
-sha256(server certificate) [|| the caller's node id])`. The server proves first and the caller checks
-it, so a server that does not know the secret gets no proof from the caller.
-Both proofs are bound to the server's certificate, which the TLS channel has
-verified: a party in the middle (another certificate) can pass on neither. A
-server nonce is good for one `Prove` within `CHALLENGE_SECONDS`, so a proof
-cannot be replayed.
+sha256(server certificate) [|| the caller's node id])` and `signature` the
+caller's key's signature of the same transcript (`identity_message`). The
+server proves first and the caller checks it, so a server that does not know
+the secret gets no proof from the caller. Both proofs and the signature are
+bound to the server's certificate, which the TLS channel has verified: a party
+in the middle (another certificate) can pass on none of them. A server nonce is
+good for one `Prove` within `CHALLENGE_SECONDS`, so nothing can be replayed.
+The server grants a session for `node_id` only if it is the id of `certificate`
+and the signature is that certificate's key's; and not while a live session
+holds the id with another certificate (a key whose id collides, found by brute
+force, or a second certificate of the same key cannot take a live node's place).
 
 The token rides in the metadata key `x-exo-session` of every other call; it is
-`expires_ms.nonce.node.HMAC(secret, "exo-session" || certificate fingerprint ||
-nonce || node || expires_ms)`: checked without state, valid on this server
-only, for `SESSION_SECONDS`, and it names the node that proved (`caller`). A call without a valid token is refused with UNAUTHENTICATED
-before its handler runs, and logged (rate-limited).
+`expires_ms.nonce.node.HMAC(token key, "exo-session" || nonce || node ||
+expires_ms)`, the token key derived from this server's private key and the
+secret, so that neither another member (it knows the secret) nor another
+server can make one. It is checked without state, valid on this server only,
+for `SESSION_SECONDS`, and it names the node that proved (`caller`). A call
+without a valid token is refused with UNAUTHENTICATED before its handler runs,
+and logged (rate-limited).
 
 The empty secret is a secret like any other, known to everybody: a cluster
 started without `--cluster-secret` lets in anyone who can reach it.
@@ -45,7 +57,14 @@ from loguru import logger
 
 from exo.cluster.proto import cluster_pb2 as pb
 from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
-from exo.cluster.tls import CERTIFICATE_HOST, fingerprint, peer_certificate
+from exo.cluster.tls import (
+    CERTIFICATE_HOST,
+    NodeCertificate,
+    fingerprint,
+    node_id_of,
+    peer_certificate,
+    signed_by,
+)
 from exo.shared.types.ids import NodeId
 
 SESSION_METADATA_KEY = "x-exo-session"
@@ -97,6 +116,17 @@ def proof(
     return hmac.new(secret.encode(), message, hashlib.sha256).digest()
 
 
+def identity_message(
+    client_nonce: bytes, server_nonce: bytes, server_fingerprint: bytes, node_id: str
+) -> bytes:
+    """What a caller signs with its certificate's key in `Prove`."""
+    return b"exo-identity" + client_nonce + server_nonce + server_fingerprint + node_id.encode()
+
+
+class ProofRefused(Exception):
+    """A `Prove` that gets no session; the message says why (it was logged)."""
+
+
 class RejectionLog:
     """Warnings about refused callers, at most one per (peer, what, reason)
     per interval; the next one counts the calls not logged."""
@@ -135,15 +165,20 @@ class ServerAuth:
     def __init__(
         self,
         secret: str,
-        certificate_fingerprint: bytes,
+        certificate: NodeCertificate,
         rejections: RejectionLog | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._secret = validate_secret(secret)
-        self._fingerprint = certificate_fingerprint
+        self._fingerprint = certificate.fingerprint
+        self._token_key = hmac.new(
+            certificate.key_pem, b"exo-session-key" + secret.encode(), hashlib.sha256
+        ).digest()
         self.rejections = rejections or RejectionLog()
         self._clock = clock
         self._pending: OrderedDict[bytes, float] = OrderedDict()  # server nonce -> deadline
+        # node id -> (fingerprint of the certificate it proved with, end of its last session)
+        self._holders: dict[NodeId, tuple[bytes, float]] = {}
 
     def challenge(self, request: pb.ChallengeRequest) -> pb.ChallengeReply:
         now = self._clock()
@@ -158,12 +193,13 @@ class ServerAuth:
         )
         return pb.ChallengeReply(server_nonce=server_nonce, server_proof=server_proof)
 
-    def prove(self, request: pb.ProofRequest, peer: str) -> pb.SessionGrant | None:
-        """A session for a right proof of a pending challenge; None (logged) otherwise."""
+    def prove(self, request: pb.ProofRequest, peer: str) -> pb.SessionGrant:
+        """A session for node `request.node_id`, for a right proof of a pending
+        challenge by the holder of that node's key. Raises `ProofRefused` (logged)."""
+        now = self._clock()
         deadline = self._pending.pop(request.server_nonce, None)
-        if deadline is None or deadline < self._clock():
-            self.rejections.warn(peer, "a proof", "no such challenge pending (expired or replayed)")
-            return None
+        if deadline is None or deadline < now:
+            raise self._refuse(peer, "no such challenge pending (expired or replayed)")
         expected = proof(
             self._secret,
             "exo-client",
@@ -173,17 +209,42 @@ class ServerAuth:
             request.node_id,
         )
         if not hmac.compare_digest(expected, request.client_proof):
-            self.rejections.warn(peer, "a proof", "wrong cluster secret (another cluster?)")
-            return None
-        expires_ms = int((self._clock() + SESSION_SECONDS) * 1000)
+            raise self._refuse(peer, "wrong cluster secret (another cluster?)")
+        node_id = NodeId(request.node_id)
+        try:
+            certified = node_id_of(request.certificate)
+        except ValueError:
+            raise self._refuse(peer, f"node {node_id} sent no readable certificate") from None
+        if certified != node_id:
+            raise self._refuse(
+                peer, f"it states node id {node_id}, but its certificate is node {certified}"
+            )
+        message = identity_message(
+            request.client_nonce, request.server_nonce, self._fingerprint, node_id
+        )
+        if not signed_by(request.certificate, request.signature, message):
+            raise self._refuse(peer, f"node {node_id}: its signature is not its certificate's")
+        self._holders = {n: h for n, h in self._holders.items() if h[1] > now}
+        certificate = fingerprint(request.certificate)
+        held = self._holders.get(node_id)
+        if held is not None and held[0] != certificate:
+            raise self._refuse(
+                peer, f"node id {node_id} is held by a live session with another certificate"
+            )
+        self._holders[node_id] = (certificate, now + SESSION_SECONDS)
+        expires_ms = int((now + SESSION_SECONDS) * 1000)
         return pb.SessionGrant(
-            token=self._token(secrets.token_bytes(16), request.node_id.encode(), expires_ms),
+            token=self._token(secrets.token_bytes(16), node_id.encode(), expires_ms),
             valid_for_ms=int(SESSION_SECONDS * 1000),
         )
 
+    def _refuse(self, peer: str, reason: str) -> ProofRefused:
+        self.rejections.warn(peer, "a proof", reason)
+        return ProofRefused(reason)
+
     def _token(self, nonce: bytes, node: bytes, expires_ms: int) -> str:
-        message = b"exo-session" + self._fingerprint + nonce + node + str(expires_ms).encode()
-        mac = hmac.new(self._secret.encode(), message, hashlib.sha256).hexdigest()
+        message = b"exo-session" + nonce + node + str(expires_ms).encode()
+        mac = hmac.new(self._token_key, message, hashlib.sha256).hexdigest()
         return f"{expires_ms}.{nonce.hex()}.{node.hex()}.{mac}"
 
     def caller(self, token: str) -> NodeId | None:
@@ -366,13 +427,17 @@ class _StreamStream(_AttachToken, grpc.aio.StreamStreamClientInterceptor):
 
 
 class PeerSession:
-    """A TLS channel to one peer that trusts exactly the peer's certificate,
-    with a session token on every call (renewed with `authenticate`)."""
+    """A TLS channel to one peer that trusts exactly the peer's certificate
+    (so the peer is node `peer_id`), with a session token for `identity`'s node
+    on every call (renewed with `authenticate`)."""
 
-    def __init__(self, address: str, secret: str, node_id: NodeId, certificate_pem: bytes) -> None:
+    def __init__(
+        self, address: str, secret: str, identity: NodeCertificate, certificate_pem: bytes
+    ) -> None:
         self.address = address
+        self.peer_id = node_id_of(certificate_pem)
         self._secret = validate_secret(secret)
-        self._node_id = node_id
+        self._identity = identity
         self._fingerprint = fingerprint(certificate_pem)
         self._token = _Token()
         self._expires_at = 0.0  # monotonic
@@ -412,20 +477,26 @@ class PeerSession:
                     f"{self.address} did not prove our cluster secret (another cluster?)",
                     untrusted=True,
                 )
+            node_id = self._identity.node_id
             client_proof = proof(
                 self._secret,
                 "exo-client",
                 client_nonce,
                 reply.server_nonce,
                 self._fingerprint,
-                self._node_id,
+                node_id,
+            )
+            signature = self._identity.sign(
+                identity_message(client_nonce, reply.server_nonce, self._fingerprint, node_id)
             )
             grant: pb.SessionGrant = await self.stub.Prove(
                 pb.ProofRequest(
                     client_nonce=client_nonce,
                     server_nonce=reply.server_nonce,
                     client_proof=client_proof,
-                    node_id=self._node_id,
+                    node_id=node_id,
+                    certificate=self._identity.certificate_pem,
+                    signature=signature,
                 ),
                 timeout=timeout,
             )
@@ -442,9 +513,12 @@ class PeerSession:
 
 
 async def connect(
-    address: str, secret: str, node_id: NodeId, timeout: float = HANDSHAKE_TIMEOUT_SECONDS
+    address: str,
+    secret: str,
+    identity: NodeCertificate,
+    timeout: float = HANDSHAKE_TIMEOUT_SECONDS,
 ) -> PeerSession:
-    """A session with the node at "host:port"; raises `LinkError`."""
+    """A session with the node at "host:port", as `identity`'s node; raises `LinkError`."""
     try:
         certificate_pem = await anyio.to_thread.run_sync(peer_certificate, address, timeout)
     except (OSError, ValueError) as error:
@@ -452,7 +526,7 @@ async def connect(
             f"{address}: no TLS certificate ({error})",
             refused=isinstance(error, ConnectionRefusedError),
         ) from error
-    session = PeerSession(address, secret, node_id, certificate_pem)
+    session = PeerSession(address, secret, identity, certificate_pem)
     try:
         await session.authenticate(timeout)
     except BaseException:
@@ -464,11 +538,14 @@ async def connect(
 
 @asynccontextmanager
 async def peer_channel(
-    address: str, secret: str, node_id: NodeId, timeout: float = HANDSHAKE_TIMEOUT_SECONDS
+    address: str,
+    secret: str,
+    identity: NodeCertificate,
+    timeout: float = HANDSHAKE_TIMEOUT_SECONDS,
 ) -> AsyncIterator[grpc.aio.Channel]:
-    """An authenticated channel to one peer, for node `node_id`, closed on exit
-    (raises `LinkError`)."""
-    session = await connect(address, secret, node_id, timeout)
+    """An authenticated channel to one peer, for `identity`'s node, closed on
+    exit (raises `LinkError`)."""
+    session = await connect(address, secret, identity, timeout)
     try:
         yield session.channel
     finally:

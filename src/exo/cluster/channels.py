@@ -6,7 +6,7 @@ import grpc.aio
 
 from exo.cluster.auth import LinkError, PeerSession, connect
 from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
-from exo.shared.types.ids import NodeId
+from exo.cluster.tls import NodeCertificate
 
 # How long a unary call to a peer may take.
 RPC_TIMEOUT_SECONDS = 2.0
@@ -21,21 +21,21 @@ _SESSION_ENDING = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
 
 
 class Channels:
-    def __init__(self, secret: str, node_id: NodeId) -> None:
+    def __init__(self, secret: str, identity: NodeCertificate) -> None:
         self._secret = secret
-        self._node_id = node_id
+        self._identity = identity
         self._sessions: dict[str, PeerSession] = {}
         self._locks: dict[str, anyio.Lock] = {}
 
-    async def stub(self, address: str) -> pb_grpc.ClusterStub:
-        """A stub whose calls reach `address` authenticated; opens or renews the
-        session first when needed. Raises `LinkError`."""
+    async def session(self, address: str) -> PeerSession:
+        """The authenticated session with `address` (its `stub`, its `peer_id`);
+        opens or renews it first when needed. Raises `LinkError`."""
         lock = self._locks.setdefault(address, anyio.Lock())
         async with lock:
             session = self._sessions.get(address)
             if session is None:
                 session = self._sessions[address] = await connect(
-                    address, self._secret, self._node_id
+                    address, self._secret, self._identity
                 )
             elif session.expiring():
                 try:
@@ -43,7 +43,11 @@ class Channels:
                 except LinkError:
                     await self._forget(address)
                     raise
-        return session.stub
+        return session
+
+    async def stub(self, address: str) -> pb_grpc.ClusterStub:
+        """A stub whose calls reach `address` authenticated (see `session`)."""
+        return (await self.session(address)).stub
 
     async def failed(self, address: str, error: Exception) -> bool:
         """A call to `address` failed: a new session next time, if the failure

@@ -8,13 +8,17 @@ put together.
   in office. The link decides nothing: a command received over gRPC goes to
   the `Master`, and its outcome goes back.
 
-The server runs over TLS with this node's certificate; `ServerAuth` answers
-the secret's challenge and lets through only calls with a session, and a
-session speaks for one node: what it publishes must be that node's events.
+The server runs over TLS with this node's certificate, whose key this node's
+id is a digest of; `ServerAuth` answers the secret's challenge and lets
+through only calls with a session, and a session speaks for the one node whose
+key proved: the node its Hello names and the origin of the events it publishes
+must be that node (else PERMISSION_DENIED, logged), and the master indexes only
+the events that node may originate (a refusal is reported to the caller).
 """
 
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import NoReturn
 
 import anyio
 import grpc
@@ -22,7 +26,7 @@ import grpc.aio
 from loguru import logger
 from pydantic import ValidationError
 
-from exo.cluster.auth import ServerAuth, SessionInterceptor
+from exo.cluster.auth import ProofRefused, ServerAuth, SessionInterceptor
 from exo.cluster.channels import CALL_ERRORS, RPC_TIMEOUT_SECONDS, Channels, LinkError
 from exo.cluster.membership import Membership
 from exo.cluster.model_files import ModelFileService
@@ -63,17 +67,22 @@ class ClusterLink:
         discovering: bool = False,
         model_store: ModelStore | None = None,
     ) -> None:
+        if store.node_id != certificate.node_id:
+            raise ValueError(
+                f"the event store is node {store.node_id}'s, the certificate node "
+                f"{certificate.node_id}'s: a node's id is its certificate's"
+            )
         self.store = store
         self.master = master
         self.node_id = store.node_id
+        self.certificate = certificate  # this node's identity, for calls to peers
         self.address = f"{advertised_host}:{grpc_port}"
         self.resumed_from_idx = store.next_idx
         self._bind = f"{grpc_host}:{grpc_port}"
-        self._certificate = certificate
         self._secret_is_empty = not secret
-        self.auth = ServerAuth(secret, certificate.fingerprint)
+        self.auth = ServerAuth(secret, certificate)
         self._timing = timing
-        self._channels = Channels(secret, self.node_id)
+        self._channels = Channels(secret, certificate)
         self.membership = Membership(
             store,
             self.address,
@@ -158,7 +167,7 @@ class ClusterLink:
     async def run(self, on_ready: Callable[[], None] = lambda: None) -> None:
         server = grpc.aio.server(interceptors=[SessionInterceptor(self.auth)])
         pb_grpc.add_ClusterServicer_to_server(_Servicer(self), server)
-        if server.add_secure_port(self._bind, server_credentials(self._certificate)) == 0:
+        if server.add_secure_port(self._bind, server_credentials(self.certificate)) == 0:
             raise OSError(f"cannot listen for gRPC on {self._bind}")
         await server.start()
         logger.info(
@@ -206,6 +215,12 @@ class _Servicer(pb_grpc.ClusterServicer):
             raise AssertionError  # abort raises
         return caller
 
+    async def _deny(self, context: grpc.aio.ServicerContext, what: str, reason: str) -> NoReturn:
+        """Refuse a call from a member that acts beyond its own node (logged)."""
+        self.link.auth.rejections.warn(context.peer(), what, reason)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
+        raise AssertionError  # abort raises
+
     async def Challenge(
         self, request: pb.ChallengeRequest, context: grpc.aio.ServicerContext
     ) -> pb.ChallengeReply:
@@ -214,18 +229,20 @@ class _Servicer(pb_grpc.ClusterServicer):
     async def Prove(
         self, request: pb.ProofRequest, context: grpc.aio.ServicerContext
     ) -> pb.SessionGrant:
-        grant = self.link.auth.prove(request, context.peer())
-        if grant is None:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "wrong proof: the caller belongs to another cluster (another --cluster-secret)",
-            )
-            raise AssertionError  # abort raises
-        return grant
+        try:
+            return self.link.auth.prove(request, context.peer())
+        except ProofRefused as refusal:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"no session: {refusal}")
+            raise
 
     async def Hello(
         self, request: pb.HelloRequest, context: grpc.aio.ServicerContext
     ) -> pb.HelloReply:
+        caller = await self._caller(context)
+        if request.node_id != caller:
+            await self._deny(
+                context, "a Hello", f"node {caller} says Hello as node {request.node_id!r}"
+            )
         return self.link.membership.answer(request)
 
     async def PublishEvents(
@@ -234,10 +251,9 @@ class _Servicer(pb_grpc.ClusterServicer):
         # A session speaks for the node that proved: it publishes its own events only.
         caller = await self._caller(context)
         if any(envelope.origin != caller for envelope in request.events):
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, f"node {caller} publishes only its own events"
+            await self._deny(
+                context, "events", f"node {caller} publishes only its own events, as itself"
             )
-            raise AssertionError  # abort raises
         try:
             events = [
                 (envelope.id, event_adapter.validate_json(envelope.payload))
@@ -247,14 +263,20 @@ class _Servicer(pb_grpc.ClusterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad event: {error}")
             raise
         try:
-            self.link.master.accept(caller, events)
+            refused = self.link.master.accept(caller, events)
         except NotMaster:
             return pb.Ack(ok=False, message=f"not the master (master is {self.link.master_id})")
         except EventLogUnavailable as error:
             return pb.Ack(ok=False, message=str(error))
-        # Acknowledged only once durable: the node drops what was acknowledged.
+        # Answered only once durable: the node drops what was acknowledged or refused.
         if not await self.link.store.flush():
             return pb.Ack(ok=False, message=self.link.store.fault or "the event log is not durable")
+        if refused:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"refused event(s) that node {caller} may not publish: "
+                + ", ".join(sorted({e.kind for e in refused})),
+            )
         return pb.Ack(ok=True)
 
     async def SubscribeEvents(

@@ -1,8 +1,9 @@
 """Membership: who is in the cluster, and who is master.
 
 Every heartbeat a node says `Hello` to every address it knows; a reply carries
-the peer's facts and the peers it knows, so membership spreads by gossip. A
-peer silent for a peer timeout is dropped. From the live peers every node
+the peer's facts and the peers it knows, so membership spreads by gossip (of
+addresses only: a peer's id is the one its certificate names, and a reply that
+states another is ignored). A peer silent for a peer timeout is dropped. From the live peers every node
 elects the master on its own (`elect`: the same facts give the same master)
 and reports a change to `on_master_changed`, which brings this node into or
 out of office.
@@ -74,7 +75,8 @@ class Membership:
         self._started_monotonic = time.monotonic()
         self._addresses: set[str] = set(static_peers) - {address}
         self._peers: dict[NodeId, PeerView] = {}
-        self._untrusted: set[str] = set()  # addresses that failed the secret's challenge
+        # Addresses that failed the secret's challenge or stated another node's id.
+        self._untrusted: set[str] = set()
         self._changed = anyio.Event()
 
     @property
@@ -133,14 +135,13 @@ class Membership:
 
     async def _hello(self, address: str, retry: bool = True) -> None:
         try:
-            stub = await self._channels.stub(address)
-            reply: pb.HelloReply = await stub.Hello(
+            session = await self._channels.session(address)
+            reply: pb.HelloReply = await session.stub.Hello(
                 pb.HelloRequest(**self._hello_view()), timeout=RPC_TIMEOUT_SECONDS
             )
         except LinkError as error:
-            if error.untrusted and address not in self._untrusted:
-                self._untrusted.add(address)  # warned once, until it answers
-                logger.warning(f"peer {address} is not of this cluster: {error}")
+            if error.untrusted:
+                self._warn_once(address, f"peer {address} is not of this cluster: {error}")
             if error.refused:  # its process is gone: no need to wait out the timeout
                 self._drop(address, "its address refuses connections")
             return
@@ -148,8 +149,21 @@ class Membership:
             if await self._channels.failed(address, error) and retry:
                 await self._hello(address, retry=False)  # a fresh session at once: gone or back?
             return
+        if reply.node_id != session.peer_id:
+            self._warn_once(
+                address,
+                f"peer {address} is node {session.peer_id} (its certificate) but says it is "
+                f"node {reply.node_id!r}; ignored",
+            )
+            return
         self._untrusted.discard(address)
         self._heard(reply)
+
+    def _warn_once(self, address: str, warning: str) -> None:
+        """Warn about an untrusted address once, until it answers rightly."""
+        if address not in self._untrusted:
+            self._untrusted.add(address)
+            logger.warning(warning)
 
     def _heard(self, view: pb.HelloRequest | pb.HelloReply) -> None:
         node_id = NodeId(view.node_id)

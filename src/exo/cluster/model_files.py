@@ -12,6 +12,7 @@ import grpc.aio
 from exo.cluster.auth import LinkError, peer_channel
 from exo.cluster.proto import cluster_pb2 as pb
 from exo.cluster.proto import cluster_pb2_grpc as pb_grpc
+from exo.cluster.tls import NodeCertificate
 from exo.models.file_source import RemoteFile, SourceUnavailable, TransientError
 from exo.models.local_store import ModelStore
 from exo.shared.types.ids import InvalidModelId, ModelId, NodeId, validate_model_id
@@ -88,8 +89,8 @@ class ModelFileService:
 class PeerSource:
     """A peer node as a source of model files (a `FileSource`)."""
 
-    def __init__(self, node_id: NodeId, address: str, secret: str, caller: NodeId) -> None:
-        """`node_id` at `address`: the peer; `caller`: this node."""
+    def __init__(self, node_id: NodeId, address: str, secret: str, caller: NodeCertificate) -> None:
+        """`node_id` at `address`: the peer; `caller`: this node's identity."""
         self.name = f"peer {node_id}"
         self.address = address
         self.secret = secret

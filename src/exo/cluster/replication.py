@@ -8,6 +8,8 @@ own events on their way to the master.
   peer, so it continues the same index sequence.
 - Outbox: events that happened here go to the master (`PublishEvents`),
   acknowledged and retried until they are; the master skips ids it has seen.
+  A batch the master refused (events this node may not publish) is logged
+  and dropped: sending it again would be refused again.
 
 Every node serves its copy of the log (`serve_log`): to a peer asking for
 events its compacted log no longer holds, a snapshot of the state first,
@@ -19,6 +21,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
+import grpc
+import grpc.aio
 from loguru import logger
 from pydantic import ValidationError
 
@@ -204,7 +208,7 @@ class Replication:
     async def _deliver(self, batch: list[tuple[str, Event]]) -> bool:
         if self._master.in_office:
             try:
-                self._master.accept(self.node_id, batch)
+                self._master.accept(self.node_id, batch)  # it logs what it refuses
             except EventLogUnavailable:
                 return False  # kept, and retried: the disk may have space again
             return True
@@ -221,6 +225,12 @@ class Replication:
                 pb.EventBatch(events=envelopes), timeout=RPC_TIMEOUT_SECONDS
             )
         except (LinkError, *CALL_ERRORS) as error:
+            if (
+                isinstance(error, grpc.aio.AioRpcError)
+                and error.code() == grpc.StatusCode.PERMISSION_DENIED
+            ):
+                logger.error(f"the master {master.node_id} refused events: {error.details()}")
+                return True  # sent again, it would be refused again
             logger.debug(f"publishing to {master.node_id} failed: {error!r}")
             return False
         return ack.ok

@@ -4,7 +4,14 @@ the card of a model the state has none of publishes it with the instance."""
 
 from collections.abc import Sequence
 
-from exo.master.placement import PlacementError, PlacementRequest, place
+from exo.master.placement import (
+    MIN_TENSOR_RANKS,
+    PlacementError,
+    PlacementRequest,
+    place,
+    uneven_tensor_split,
+)
+from exo.shared.architectures import tensor_refusal
 from exo.shared.types.commands import (
     Command,
     CommandRejected,
@@ -15,7 +22,7 @@ from exo.shared.types.commands import (
 from exo.shared.types.events import Event, InstanceCreated, InstanceDeleted, ModelCardPublished
 from exo.shared.types.ids import ModelId
 from exo.shared.types.model_card import ModelCard
-from exo.shared.types.state import Instance, InstanceRank, State
+from exo.shared.types.state import Instance, InstanceRank, Sharding, State
 
 # The ranks of multi-node instances listen for mx.distributed on ports in
 # [RING_BASE_PORT, RING_BASE_PORT + RING_PORT_SPAN).
@@ -50,24 +57,58 @@ def ring_hosts(state: State, ranks: Sequence[InstanceRank]) -> tuple[str, ...]:
     return tuple(hosts)
 
 
+def _layout(ranks: Sequence[InstanceRank]) -> str:
+    return ", ".join(f"{r.node_id}[{r.start_layer},{r.end_layer})" for r in ranks)
+
+
+def _check_pipeline(
+    model_id: ModelId, card: ModelCard | None, ranks: Sequence[InstanceRank]
+) -> None:
+    start = 0
+    for rank in ranks:
+        if rank.start_layer != start or rank.end_layer <= rank.start_layer:
+            raise CommandRejected(
+                f"ranks must cover the layers in order without gaps: {_layout(ranks)}"
+            )
+        start = rank.end_layer
+    if card is not None and start != card.n_layers:
+        raise CommandRejected(f"{model_id} has {card.n_layers} layers, the ranks cover {start}")
+
+
+def _check_tensor(model_id: ModelId, card: ModelCard | None, ranks: Sequence[InstanceRank]) -> None:
+    """Every rank holds a slice of every layer, of a model that splits so."""
+    if len(ranks) < MIN_TENSOR_RANKS:
+        raise CommandRejected(
+            f"a tensor instance needs at least {MIN_TENSOR_RANKS} ranks, not {len(ranks)}"
+        )
+    n_layers = card.n_layers if card is not None else ranks[0].end_layer
+    if n_layers < 1 or any(r.start_layer != 0 or r.end_layer != n_layers for r in ranks):
+        raise CommandRejected(
+            f"every rank of a tensor instance holds all {n_layers} layers of {model_id}, "
+            f"[0,{n_layers}): {_layout(ranks)}"
+        )
+    if card is not None:
+        why = tensor_refusal(card.architecture) or uneven_tensor_split(card, len(ranks))
+        if why is not None:
+            raise CommandRejected(f"cannot split {model_id} by tensors: {why}")
+
+
 def _check_ranks(
-    state: State, model_id: ModelId, card: ModelCard | None, ranks: Sequence[InstanceRank]
+    state: State,
+    model_id: ModelId,
+    card: ModelCard | None,
+    ranks: Sequence[InstanceRank],
+    sharding: Sharding,
 ) -> None:
     for rank in ranks:
         if rank.node_id not in state.nodes:
             raise CommandRejected(f"no node {rank.node_id!r} in the cluster", not_found=True)
     if len({rank.node_id for rank in ranks}) != len(ranks):
         raise CommandRejected("a node can hold only one rank of an instance")
-    start = 0
-    for rank in ranks:
-        if rank.start_layer != start or rank.end_layer <= rank.start_layer:
-            raise CommandRejected(
-                "ranks must cover the layers in order without gaps: "
-                + ", ".join(f"{r.node_id}[{r.start_layer},{r.end_layer})" for r in ranks)
-            )
-        start = rank.end_layer
-    if card is not None and start != card.n_layers:
-        raise CommandRejected(f"{model_id} has {card.n_layers} layers, the ranks cover {start}")
+    if sharding == "tensor":
+        _check_tensor(model_id, card, ranks)
+    else:
+        _check_pipeline(model_id, card, ranks)
     for instance in state.instances.values():
         if instance.model_id == model_id and set(instance.node_ids) & {r.node_id for r in ranks}:
             raise CommandRejected(
@@ -89,7 +130,7 @@ def _create(
     state: State, command: CreateInstance | PlaceInstance, ranks: Sequence[InstanceRank]
 ) -> list[Event]:
     card = _card(state, command)
-    _check_ranks(state, command.model_id, card, ranks)
+    _check_ranks(state, command.model_id, card, ranks, command.sharding)
     new_card = (
         [] if card is None or card.model_id in state.cards else [ModelCardPublished(card=card)]
     )
@@ -103,6 +144,7 @@ def _create(
         ring_hosts=ring_hosts(state, ranks),
         min_nodes=command.min_nodes if isinstance(command, PlaceInstance) else 1,
         max_nodes=command.max_nodes if isinstance(command, PlaceInstance) else None,
+        sharding=command.sharding,
     )
     return [*new_card, InstanceCreated(instance=instance)]
 
@@ -127,7 +169,9 @@ def decide(state: State, command: Command) -> list[Event]:
                     card,
                     state,
                     request=PlacementRequest(
-                        min_nodes=command.min_nodes, max_nodes=command.max_nodes
+                        min_nodes=command.min_nodes,
+                        max_nodes=command.max_nodes,
+                        sharding=command.sharding,
                     ),
                 )
             except PlacementError as error:

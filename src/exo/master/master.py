@@ -31,6 +31,7 @@ from exo.shared.types.events import (
     InstanceDeleted,
     MasterElected,
     ModelCardPublished,
+    ModelFoldersUnreadable,
     NodeJoined,
     NodeTelemetryReported,
     NodeTimedOut,
@@ -74,6 +75,7 @@ def may_originate(state: State, origin: NodeId, event: Event) -> bool:
             | RunnerStatusChanged()
             | DownloadProgressed()
             | DownloadRemoved()
+            | ModelFoldersUnreadable()
         ):
             return event.node_id == origin
         case ModelCardPublished():
@@ -153,22 +155,22 @@ class Master:
         self._store.index(origin, with_ids(command_id, events))
         return self._store.state.last_idx
 
-    def accept(self, origin: NodeId, events: Sequence[tuple[str, Event]]) -> int:
+    def accept(self, origin: NodeId, events: Sequence[tuple[str, Event]]) -> list[Event]:
         """Index the events a node published, `(event_id, event)` each (ids seen
-        before are skipped; events `origin` may not originate are refused and
-        logged); returns the last index."""
+        before are skipped), but those `origin` may not originate: these are
+        returned (and logged), for the caller to report."""
         if not self._in_office:
             raise NotMaster(f"node {self.node_id} is not the master")
         state = self._store.state
         allowed = [(i, e) for i, e in events if may_originate(state, origin, e)]
-        if len(allowed) < len(events):
-            refused = sorted({e.kind for _, e in events if not may_originate(state, origin, e)})
+        refused = [e for _, e in events if not may_originate(state, origin, e)]
+        if refused:
             logger.warning(
-                f"refused {len(events) - len(allowed)} event(s) from node {origin} that only "
-                f"another node or the master may publish: {', '.join(refused)}"
+                f"refused {len(refused)} event(s) from node {origin} that only another node "
+                f"or the master may publish: {', '.join(sorted({e.kind for e in refused}))}"
             )
         self._store.index(origin, allowed)
-        return self._store.state.last_idx
+        return refused
 
     def wake(self) -> None:
         """Do the duties now rather than at the next interval (the link lost a

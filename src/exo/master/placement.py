@@ -11,6 +11,13 @@ ranked by download progress, then free RAM, then size, then node ids;
 `preview` returns all of them, best first, and `place` the best: what
 `POST /place_instance` places is what the first preview shows.
 
+A tensor placement (`sharding="tensor"`) gives every node of a set a slice of
+every layer: the set needs at least `MIN_TENSOR_RANKS` nodes, an architecture
+exo can split by tensors (`exo.shared.architectures.tensor_refusal`) and a set
+size that divides the model's heads and MLP widths (`uneven_tensor_split`);
+each node must hold its share (`exo.models.memory.tensor_rank_weights`,
+`tensor_rank_kv`). Candidates and ranking are the pipeline's.
+
 "Free" RAM here is a node's available RAM minus a safety margin of its total RAM.
 """
 
@@ -29,13 +36,15 @@ from exo.models.memory import (
     rank_kv,
     rank_memory,
     rank_weights,
+    tensor_rank_kv,
+    tensor_rank_weights,
 )
 from exo.models.weight_files import shard_files
-from exo.shared.architectures import loadable_whole, pipeline_refusal
+from exo.shared.architectures import loadable_whole, pipeline_refusal, tensor_refusal
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import ModelId, NodeId
 from exo.shared.types.model_card import ModelCard
-from exo.shared.types.state import InstanceRank, MlxBackend, NodeTelemetry, State
+from exo.shared.types.state import InstanceRank, MlxBackend, NodeTelemetry, Sharding, State
 from exo.shared.units import human_bytes
 
 # RAM left to the OS and other programs: this share of a node's total RAM is
@@ -45,6 +54,8 @@ SAFETY_MARGIN_PERCENT = 10
 MAX_CANDIDATE_NODES = 8
 # A backend that keeps weights as stored and a float16 cache.
 _AS_STORED: MlxBackend = "metal"
+# One rank holding slices of every layer is the whole model with extra steps.
+MIN_TENSOR_RANKS = 2
 
 
 class PlacementError(ValueError):
@@ -54,14 +65,19 @@ class PlacementError(ValueError):
 class PlacementRequest(FrozenModel):
     min_nodes: int = Field(default=1, ge=1)
     max_nodes: int | None = Field(default=None, ge=1)
+    sharding: Sharding = "pipeline"
 
 
 class Placement(FrozenModel):
     model_id: ModelId
-    ranks: tuple[InstanceRank, ...]  # in pipeline order; layer ranges cover [0, n_layers)
+    sharding: Sharding = "pipeline"
+    # Pipeline: in pipeline order, the layer ranges cover [0, n_layers).
+    # Tensor: in ring order, every rank [0, n_layers).
+    ranks: tuple[InstanceRank, ...]
     # RAM each rank's node needs: `weight_bytes` + `kv_bytes`.
     memory_bytes: dict[NodeId, int]
-    # Its layers, embedding (first rank) and head (last) as loaded on its backend.
+    # Its layers (a tensor rank: its slice of each), embedding (first rank; every
+    # tensor rank) and head (last; every tensor rank) as loaded on its backend.
     weight_bytes: dict[NodeId, int]
     # Its layers' cache reserve: KV (sliding windows capped), recurrent states.
     kv_bytes: dict[NodeId, int]
@@ -241,8 +257,41 @@ def _place_on(
         weights[node_id] = rank_weights(card, telemetry.mlx_backend, start, end)
         kv[node_id] = rank_kv(card, telemetry.mlx_backend, start, end)
         start = end
+    return _placement(card, "pipeline", ranks, weights, kv, sum(budgets), progress)
+
+
+def _place_tensor_on(
+    card: ModelCard,
+    nodes: Sequence[tuple[NodeId, NodeTelemetry]],
+    progress: ProgressFn,
+) -> Placement | None:
+    """Every node a slice of every layer, when each holds its share."""
+    n = len(nodes)
+    weights = {node_id: tensor_rank_weights(card, t.mlx_backend, n) for node_id, t in nodes}
+    kv = {node_id: tensor_rank_kv(card, t.mlx_backend, n) for node_id, t in nodes}
+    if any(weights[node_id] + kv[node_id] > free_bytes(t) for node_id, t in nodes):
+        return None
+    ranks = [
+        InstanceRank(node_id=node_id, start_layer=0, end_layer=card.n_layers)
+        for node_id, _ in nodes
+    ]
+    return _placement(
+        card, "tensor", ranks, weights, kv, sum(free_bytes(t) for _, t in nodes), progress
+    )
+
+
+def _placement(
+    card: ModelCard,
+    sharding: Sharding,
+    ranks: Sequence[InstanceRank],
+    weights: dict[NodeId, int],
+    kv: dict[NodeId, int],
+    free: int,
+    progress: ProgressFn,
+) -> Placement:
     return Placement(
         model_id=card.model_id,
+        sharding=sharding,
         ranks=tuple(ranks),
         memory_bytes={node_id: weights[node_id] + kv[node_id] for node_id in weights},
         weight_bytes=weights,
@@ -250,7 +299,7 @@ def _place_on(
         download_progress=sum(
             min(1.0, max(0.0, progress(r.node_id, r.start_layer, r.end_layer))) for r in ranks
         ),
-        free_bytes=sum(budgets),
+        free_bytes=free,
     )
 
 
@@ -269,20 +318,38 @@ def _shortfall(
     nodes: Sequence[tuple[NodeId, NodeTelemetry]],
     eligible: Sequence[tuple[NodeId, NodeTelemetry]],
     candidates: Sequence[tuple[NodeId, NodeTelemetry]],
+    sizes: Sequence[int],
 ) -> str:
+    """Why no set of `sizes` nodes among `candidates` holds the model."""
     pool = list(candidates) or _order(nodes)[:1]
-    size = min(request.max_nodes or len(pool), len(pool), card.n_layers)
+    size = max(sizes, default=min(request.max_nodes or len(pool), len(pool), card.n_layers))
     largest = pool[:size]
     backends: list[MlxBackend] = sorted({t.mlx_backend for _, t in largest})
-    need = max(rank_memory(card, b, 0, card.n_layers) for b in backends)
-    have = sum(free_bytes(t) for _, t in largest)
     ids = ", ".join(n for n, _ in largest)
-    message = (
-        f"{card.model_id} needs {human_bytes(need)}, the largest candidate set has "
-        f"{human_bytes(have)} free ({ids}; weights as loaded on {'/'.join(backends)} plus "
-        f"a KV reserve of {kv_reserve_tokens(card)} tokens; free RAM "
-        f"keeps {SAFETY_MARGIN_PERCENT}% of each node's RAM in reserve)"
+    how = (
+        f"{ids}; weights as loaded on {'/'.join(backends)} plus a KV reserve of "
+        f"{kv_reserve_tokens(card)} tokens; free RAM keeps {SAFETY_MARGIN_PERCENT}% of each "
+        "node's RAM in reserve"
     )
+    tensor = request.sharding == "tensor"
+    if tensor:
+        need = max(
+            tensor_rank_weights(card, b, len(largest)) + tensor_rank_kv(card, b, len(largest))
+            for b in backends
+        )
+        have = min(free_bytes(t) for _, t in largest)
+        message = (
+            f"{card.model_id} split by tensors needs {human_bytes(need)} on each of "
+            f"{len(largest)} nodes (a slice of every layer, the embedding and head whole), "
+            f"the candidate set's smallest node has {human_bytes(have)} free ({how})"
+        )
+    else:
+        need = max(rank_memory(card, b, 0, card.n_layers) for b in backends)
+        have = sum(free_bytes(t) for _, t in largest)
+        message = (
+            f"{card.model_id} needs {human_bytes(need)}, the largest candidate set has "
+            f"{human_bytes(have)} free ({how})"
+        )
     eligible_ids = {n for n, _ in eligible}
     small = [n for n, _ in nodes if n not in eligible_ids]
     if small:
@@ -291,7 +358,7 @@ def _shortfall(
         message += (
             f"; min_nodes={request.min_nodes} but only {len(candidates)} node(s) can hold a layer"
         )
-    elif need <= have:
+    elif need <= have and not tensor:
         message += (
             f"; its nodes together cannot hold all {card.n_layers} layers with the "
             "embedding and head on the first and last node"
@@ -326,16 +393,46 @@ def _serving_nodes(model_id: ModelId, state: State) -> set[NodeId]:
     }
 
 
+def uneven_tensor_split(card: ModelCard, n_ranks: int) -> str | None:
+    """Why `card`'s layers do not slice into `n_ranks` equal parts (mlx-lm's
+    `shard()` splits the heads and MLP widths evenly); None when they do. A size
+    the card does not know is not checked: the runner's load says so then."""
+    sizes = {
+        "attention heads": card.n_heads,
+        "KV heads": card.n_kv_heads,
+        "MLP intermediate size": card.intermediate_size,
+        "MoE expert intermediate size": card.moe_intermediate_size,
+    }
+    uneven = [f"{name} ({size})" for name, size in sizes.items() if size and size % n_ranks]
+    return f"{n_ranks} does not divide its {', '.join(uneven)}" if uneven else None
+
+
+def _tensor_request(card: ModelCard, request: PlacementRequest) -> PlacementRequest:
+    """`request`, with at least `MIN_TENSOR_RANKS` nodes; raises `PlacementError`
+    for an architecture exo cannot split by tensors or a request for one node."""
+    refusal = tensor_refusal(card.architecture)
+    if refusal is not None:
+        raise PlacementError(f"cannot split {card.model_id} by tensors: {refusal}")
+    if request.max_nodes is not None and request.max_nodes < MIN_TENSOR_RANKS:
+        raise PlacementError(
+            f"a tensor instance needs at least {MIN_TENSOR_RANKS} nodes (each holds a slice "
+            f"of every layer), not max_nodes={request.max_nodes}"
+        )
+    return request.model_copy(update={"min_nodes": max(MIN_TENSOR_RANKS, request.min_nodes)})
+
+
 def _servable(card: ModelCard, request: PlacementRequest) -> PlacementRequest:
-    """`request`, limited to one node for an architecture exo cannot split;
-    raises `PlacementError` for one it cannot load at all, or cannot split
-    when `request` needs several nodes."""
+    """`request`, limited to one node for an architecture exo cannot split into
+    a pipeline, or with enough nodes for a tensor split; raises `PlacementError`
+    for one it cannot load at all, or cannot split as `request` needs."""
     arch = card.architecture
     if not loadable_whole(arch):
         raise PlacementError(
             f"cannot place {card.model_id}: exo cannot load its architecture {arch!r} "
             "(mlx-lm has no model for it)"
         )
+    if request.sharding == "tensor":
+        return _tensor_request(card, request)
     refusal = pipeline_refusal(arch)
     if refusal is None:
         return request
@@ -377,12 +474,14 @@ def preview(
         raise PlacementError(
             f"max_nodes={request.max_nodes} is less than min_nodes={request.min_nodes}"
         )
+    tensor = request.sharding == "tensor"
     if request.min_nodes > len(reporting):
         raise PlacementError(
             f"min_nodes={request.min_nodes} but only {len(reporting)} node(s) have reported "
             "telemetry"
+            + (f" (a tensor instance needs at least {MIN_TENSOR_RANKS})" if tensor else "")
         )
-    if request.min_nodes > card.n_layers:
+    if not tensor and request.min_nodes > card.n_layers:
         raise PlacementError(
             f"{card.model_id} has {card.n_layers} layers: it cannot be split across "
             f"{request.min_nodes} nodes"
@@ -399,15 +498,26 @@ def preview(
     smallest_layer = {b: min(layer_costs(card, b), default=0) for b in backends}
     eligible = [(n, t) for n, t in nodes if free_bytes(t) >= max(1, smallest_layer[t.mlx_backend])]
     candidates = _order(eligible)[:MAX_CANDIDATE_NODES]
-    max_nodes = min(request.max_nodes or len(candidates), len(candidates), card.n_layers)
+    # A pipeline rank holds one layer at least; a tensor rank a slice of each.
+    most = len(candidates) if tensor else min(len(candidates), card.n_layers)
+    sizes = list(range(request.min_nodes, min(request.max_nodes or most, most) + 1))
+    if tensor:
+        uneven = {size: uneven_tensor_split(card, size) for size in sizes}
+        sizes = [size for size in sizes if uneven[size] is None]
+        if not sizes and uneven:
+            raise PlacementError(
+                f"cannot split {card.model_id} by tensors: "
+                + "; ".join(f"across {size} nodes, {why}" for size, why in uneven.items())
+            )
+    place_on = _place_tensor_on if tensor else _place_on
     placements: list[Placement] = []
-    for size in range(request.min_nodes, max_nodes + 1):
+    for size in sizes:
         for subset in combinations(candidates, size):
-            placement = _place_on(card, _order(subset), progress)
+            placement = place_on(card, _order(subset), progress)
             if placement is not None:
                 placements.append(placement)
     if not placements:
-        raise PlacementError(_shortfall(card, request, nodes, eligible, candidates))
+        raise PlacementError(_shortfall(card, request, nodes, eligible, candidates, sizes))
     return sorted(placements, key=_rank_key)
 
 

@@ -47,13 +47,15 @@ def still_served(state: State, instance: Instance, damaged: Iterable[str]) -> bo
 
 
 def replacement(instance: Instance, available_nodes: int) -> PlaceInstance:
-    """The placement of `instance`'s model again: its request's `min_nodes` and
-    `max_nodes`, `min_nodes` lowered to the nodes that are left when fewer are."""
+    """The placement of `instance`'s model again: its request's `min_nodes`,
+    `max_nodes` and sharding, `min_nodes` lowered to the nodes that are left
+    when fewer are (a tensor placement still needs two: refused until then)."""
     return PlaceInstance(
         instance_id=new_instance_id(),
         model_id=instance.model_id,
         min_nodes=max(1, min(instance.min_nodes, available_nodes)),
         max_nodes=instance.max_nodes,
+        sharding=instance.sharding,
     )
 
 

@@ -13,10 +13,11 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from exo.models.layer_estimates import (
     ATTENTION_FREE,
+    DENSE_SIZE_KEYS,
     FAMILY_DEFAULTS,
     Dims,
     Layer,
@@ -47,6 +48,8 @@ SINGLE_WEIGHTS_FILE = "model.safetensors"
 # What a node fetches besides the weights when the repo's listing is unknown.
 DEFAULT_METADATA_FILES = (CONFIG_FILE, "tokenizer.json", "tokenizer_config.json")
 _DEFAULT_CONTEXT = 4096
+# A config.json or safetensors index this large is not one.
+MAX_METADATA_BYTES = 50_000_000
 _TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 _FLOAT16_BYTES = 2
 
@@ -66,11 +69,19 @@ def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**defaults, **config, **nested} if isinstance(nested, dict) else {**defaults, **config}
 
 
-def _first_int(config: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
+def _optional_int(config: Mapping[str, Any], *keys: str) -> int | None:
+    """The first of `keys` the config gives as an int; None when it gives none."""
     for key in keys:
         value = config.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+    return None
+
+
+def _first_int(config: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
+    value = _optional_int(config, *keys)
+    if value is not None:
+        return value
     if default is None:
         raise ModelCardError(f"config.json lacks {' / '.join(keys)}")
     return default
@@ -118,6 +129,33 @@ class _Shape(FrozenModel):
     context_length: int
     vocab_size: int
     tie_word_embeddings: bool
+    intermediate_size: int | None
+    moe_intermediate_size: int | None
+
+
+# Far beyond any model's, small enough that a card's per-layer lists and the
+# sums over them stay cheap: a config past them is malformed (or hostile).
+_MAX_LAYERS = 4096
+_MAX_WIDTH = 1 << 20  # hidden size, heads, head dim
+_MAX_VOCABULARY = 1 << 24
+_MAX_CONTEXT = 1 << 31
+
+
+def _check_bounds(shape: _Shape) -> None:
+    """A `ModelCardError` for a shape no model has (0 layers, 2**62 of them)."""
+    heads = 0 if shape.architecture in ATTENTION_FREE else 1  # attention-free: none
+    bounds = {
+        "layers": (shape.n_layers, 1, _MAX_LAYERS),
+        "hidden size": (shape.hidden_size, 1, _MAX_WIDTH),
+        "attention heads": (shape.n_heads, heads, _MAX_WIDTH),
+        "key-value heads": (shape.n_kv_heads, heads, _MAX_WIDTH),
+        "head dimension": (shape.head_dim, heads, _MAX_WIDTH),
+        "vocabulary size": (shape.vocab_size, 1, _MAX_VOCABULARY),
+        "context length": (shape.context_length, 1, _MAX_CONTEXT),
+    }
+    for name, (value, least, most) in bounds.items():
+        if not least <= value <= most:
+            raise ModelCardError(f"config.json gives {value} {name}; a model has {least}..{most}")
 
 
 def _shape(config: Mapping[str, Any]) -> _Shape:
@@ -129,11 +167,13 @@ def _shape(config: Mapping[str, Any]) -> _Shape:
     if architecture in ATTENTION_FREE:
         n_heads = n_kv_heads = head_dim = 0
     else:
-        n_heads = _first_int(text, "num_attention_heads", "n_head", "n_heads")
-        n_kv_heads = _first_int(text, "num_key_value_heads", "n_kv_heads", default=n_heads)
-        head_dim = _first_int(text, "head_dim", default=hidden // n_heads)
+        n_heads = _first_int(text, "num_attention_heads", "n_head", "n_heads", "num_heads")
+        n_kv_heads = _first_int(
+            text, "num_key_value_heads", "n_kv_heads", "num_kv_heads", default=n_heads
+        )
+        head_dim = _first_int(text, "head_dim", default=hidden // max(1, n_heads))
     pattern = nemotron_pattern(text)  # nemotron_h may give its layers as a pattern only
-    return _Shape(
+    shape = _Shape(
         architecture=architecture,
         n_layers=_first_int(
             text,
@@ -152,7 +192,11 @@ def _shape(config: Mapping[str, Any]) -> _Shape:
         tie_word_embeddings=bool(
             config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         ),
+        intermediate_size=_optional_int(text, *DENSE_SIZE_KEYS),
+        moe_intermediate_size=_optional_int(text, "moe_intermediate_size"),
     )
+    _check_bounds(shape)
+    return shape
 
 
 def _layers(config: Mapping[str, Any]) -> Sequence[Layer]:
@@ -218,6 +262,20 @@ def _is_quantization_parameter(name: str, tensors: Mapping[str, TensorInfo]) -> 
 # --- cards --------------------------------------------------------------------
 
 
+def _read_json_object(model_id: ModelId, path: Path) -> dict[str, Any]:
+    """A small JSON object of a model folder (config, index); a `ModelCardError`
+    when it cannot be read, is too large for one, or is not a JSON object."""
+    try:
+        if path.stat().st_size > MAX_METADATA_BYTES:
+            raise ModelCardError(f"{model_id}: {path.name} is over {MAX_METADATA_BYTES} bytes")
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as error:
+        raise ModelCardError(f"{model_id}: cannot read {path.name}: {error}") from error
+    if not isinstance(data, dict):
+        raise ModelCardError(f"{model_id}: {path.name} is not a JSON object")
+    return cast(dict[str, Any], data)
+
+
 def card_from_folder(model_id: ModelId, path: Path) -> ModelCard:
     """A card with exact sizes from an MLX model folder: `config.json` plus either
     `model.safetensors.index.json` (several shards) or `*.safetensors` files.
@@ -226,17 +284,11 @@ def card_from_folder(model_id: ModelId, path: Path) -> ModelCard:
     folder's other files a node needs (config, tokenizer, generation config,
     index), without exo's import marker or weights in other formats.
     """
-    try:
-        config: dict[str, Any] = json.loads((path / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as error:
-        raise ModelCardError(f"{model_id}: cannot read {CONFIG_FILE}: {error}") from error
+    config = _read_json_object(model_id, path / CONFIG_FILE)
     shape = _shape(config)
     index_path = path / INDEX_FILE
     if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text())
-        except (OSError, ValueError) as error:
-            raise ModelCardError(f"{model_id}: cannot read {INDEX_FILE}: {error}") from error
+        index = _read_json_object(model_id, index_path)
         weight_names = sorted(set(_weight_map(index).values()))
     else:
         weight_names = sorted(p.name for p in path.glob("*.safetensors"))

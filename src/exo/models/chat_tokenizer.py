@@ -32,8 +32,17 @@ class ChatTokenizer(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
+    def get_vocab(self) -> dict[str, int]: ...
+
     def __len__(self) -> int: ...
 
 
 def load_chat_tokenizer(model_dir: Path) -> ChatTokenizer:
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def longest_token_bytes(tokenizer: ChatTokenizer) -> int:
+    """An upper bound of the bytes of text one token stands for: its vocabulary
+    entry's UTF-8 length (a byte-level entry spells each byte with one or two
+    bytes, a byte-fallback one as `<0x0A>`: never fewer than it stands for)."""
+    return max((len(entry.encode()) for entry in tokenizer.get_vocab()), default=1)

@@ -4,22 +4,19 @@
 import json
 from typing import Any
 
-from exo.models.cards import CONFIG_FILE, INDEX_FILE, card_from_config
+from exo.models.cards import CONFIG_FILE, INDEX_FILE, MAX_METADATA_BYTES, card_from_config
 from exo.models.file_source import DownloadError, FileSource
 from exo.models.weight_files import is_metadata_file
 from exo.shared.types.ids import ModelId
 from exo.shared.types.model_card import ModelCard
-
-# config.json and the index are small; a bigger one is not what we expect.
-_MAX_METADATA_BYTES = 50_000_000
 
 
 async def _read_json(source: FileSource, model_id: ModelId, path: str) -> Any:
     data = bytearray()
     async for chunk in source.read(model_id, path, 0):
         data += chunk
-        if len(data) > _MAX_METADATA_BYTES:
-            raise DownloadError(f"{model_id}: {path} is larger than {_MAX_METADATA_BYTES} bytes")
+        if len(data) > MAX_METADATA_BYTES:
+            raise DownloadError(f"{model_id}: {path} is larger than {MAX_METADATA_BYTES} bytes")
     try:
         return json.loads(data)
     except ValueError as error:

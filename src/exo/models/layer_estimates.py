@@ -101,12 +101,12 @@ def _glu(hidden: int, inner: int, *, bias: bool = False) -> int:
     return 3 * hidden * inner + (2 * inner + hidden if bias else 0)
 
 
+# How families spell the dense MLP's hidden width.
+DENSE_SIZE_KEYS = ("intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim")
+
+
 def _dense_size(config: Mapping[str, Any]) -> int:
-    return (
-        _int(config, "intermediate_size")
-        or _int(config, "ffn_hidden_size")
-        or _int(config, "n_inner")
-    )
+    return next((size for key in DENSE_SIZE_KEYS if (size := _int(config, key))), 0)
 
 
 def _n_experts(config: Mapping[str, Any]) -> int:

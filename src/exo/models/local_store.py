@@ -10,10 +10,11 @@ from pathlib import Path
 from loguru import logger
 
 from exo.models.builtin import DEFAULT_MODEL_ID, ensure_default_model
-from exo.models.cards import CONFIG_FILE, ModelCardError, card_from_folder
+from exo.models.cards import CONFIG_FILE, card_from_folder
 from exo.models.store import model_dir, validate_model_id
 from exo.shared.types.ids import ModelId
 from exo.shared.types.model_card import ModelCard
+from exo.shared.types.state import UnreadableModelFolder
 
 # A file being downloaded; complete under its own name only once verified.
 PARTIAL_SUFFIX = ".partial"
@@ -29,6 +30,12 @@ class LocalFile:
     path: str  # relative, '/'-separated
     size: int
     sha256: str
+
+
+@dataclass(frozen=True)
+class LocalModels:
+    found: list[tuple[ModelCard, set[str]]]  # each model's card and complete files
+    unreadable: tuple[UnreadableModelFolder, ...]
 
 
 @dataclass
@@ -83,9 +90,12 @@ class ModelStore:
                 return folder
         return None
 
-    def local_models(self) -> list[tuple[ModelCard, set[str]]]:
-        """Every model folder here that can be described, with its files."""
+    def local_models(self) -> LocalModels:
+        """Every model folder here that can be described, with its files, and
+        those that cannot, with why: any failure to describe one (a malformed
+        config, one no model has) skips that folder alone."""
         found: dict[ModelId, tuple[ModelCard, set[str]]] = {}
+        unreadable: list[UnreadableModelFolder] = []
         for root in (self.models_dir, *self.read_only_dirs):
             if not root.is_dir():
                 continue
@@ -97,33 +107,27 @@ class ModelStore:
                     if model_id in found:
                         continue
                     found[model_id] = (card_from_folder(model_id, folder), _files_in(folder))
-                except (ValueError, ModelCardError, OSError) as error:
-                    logger.warning(f"ignoring model folder {folder}: {error}")
-        return list(found.values())
+                except Exception as error:  # a folder never stops the node (MemoryError too)
+                    reason = f"{type(error).__name__}: {error}"
+                    logger.warning(f"ignoring model folder {folder}: {reason}")
+                    unreadable.append(UnreadableModelFolder(path=str(folder), reason=reason))
+        return LocalModels(list(found.values()), tuple(unreadable))
 
     def file(self, model_id: ModelId, path: str) -> Path | None:
         """A complete file of the model here, or None; never outside its folder."""
         folder = self.find(model_id)
-        if folder is None:
-            return None
-        candidate = (folder / path).resolve()
-        if (
-            not candidate.is_relative_to(folder.resolve())
-            or not candidate.is_file()
-            or candidate.name.endswith(PARTIAL_SUFFIX)
-        ):
-            return None
-        return candidate
+        return None if folder is None else _inside(folder, path)
 
     def list_files(self, model_id: ModelId) -> list[LocalFile]:
-        """The model's complete files with sizes and hashes (hashes cached)."""
+        """The model's complete files with sizes and hashes (hashes cached): the
+        files `file` gives, so never a link's target outside the folder."""
         folder = self.find(model_id)
         if folder is None:
             return []
-        return [self._describe(folder, name) for name in sorted(_files_in(folder))]
+        inside = ((name, _inside(folder, name)) for name in sorted(_files_in(folder)))
+        return [self._describe(name, path) for name, path in inside if path is not None]
 
-    def _describe(self, folder: Path, name: str) -> LocalFile:
-        path = folder / name
+    def _describe(self, name: str, path: Path) -> LocalFile:
         stat = path.stat()
         key = (path, stat.st_size, stat.st_mtime_ns)
         digest = self._digests.get(key)
@@ -136,12 +140,30 @@ class ModelStore:
         return LocalFile(path=name, size=stat.st_size, sha256=digest)
 
     def delete(self, model_id: ModelId) -> bool:
-        """Delete the writable copy (read-only copies stay); False if none."""
+        """Delete the writable copy (read-only copies stay); False if none. A
+        folder that is a symbolic link loses the link only: what it points to
+        may be another model's or a shared disk's."""
         folder = self.writable_dir(model_id)
+        if folder.is_symlink():
+            folder.unlink()
+            return True
         if not folder.exists():
             return False
         shutil.rmtree(folder)
         return True
+
+
+def _inside(folder: Path, path: str) -> Path | None:
+    """`folder`/`path` resolved, if it is a complete regular file inside `folder`
+    (links followed, and refused when they lead out of it)."""
+    candidate = (folder / path).resolve()
+    if (
+        not candidate.is_relative_to(folder.resolve())
+        or not candidate.is_file()
+        or candidate.name.endswith(PARTIAL_SUFFIX)
+    ):
+        return None
+    return candidate
 
 
 def _files_in(folder: Path) -> set[str]:

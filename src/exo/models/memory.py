@@ -9,7 +9,8 @@ of a reserve of `KV_RESERVE_TOKENS` tokens (or the model's context, if shorter;
 a sliding-window layer keeps at most its window) and each recurrent layer's
 constant-size state. The cache is float32 on the CPU backend, float16
 otherwise, except recurrent states the models keep in float32 everywhere. The
-prefix cache budget is separate.
+prefix cache budget is separate. A tensor rank holds a slice of every layer
+instead of a range of layers (`tensor_rank_weights`, `tensor_rank_kv`).
 """
 
 import itertools
@@ -106,6 +107,23 @@ def rank_kv(card: ModelCard, backend: MlxBackend, start: int, end: int) -> int:
 def rank_memory(card: ModelCard, backend: MlxBackend, start: int, end: int) -> int:
     """RAM a rank serving layers [start, end) needs on `backend`: weights and cache reserve."""
     return rank_weights(card, backend, start, end) + rank_kv(card, backend, start, end)
+
+
+def tensor_rank_weights(card: ModelCard, backend: MlxBackend, n_ranks: int) -> int:
+    """Weights one of `n_ranks` tensor ranks loads on `backend`: its slice (1/n)
+    of every layer, and the embedding and head whole."""
+    layers = -(-sum(layer_weights(card, backend)) // n_ranks)
+    return layers + memory_other(card, backend)
+
+
+def tensor_rank_kv(card: ModelCard, backend: MlxBackend, n_ranks: int) -> int:
+    """The cache reserve of one of `n_ranks` tensor ranks: its heads' share (1/n)
+    of each layer's cache, except multi-head latent attention's latent, which
+    every head reads, so every rank keeps it whole."""
+    return sum(
+        kv if cache.kind == "latent" else -(-kv // n_ranks)
+        for kv, cache in zip(layer_kv(card, backend), card.layer_caches, strict=True)
+    )
 
 
 def layers_that_fit(

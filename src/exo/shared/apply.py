@@ -13,6 +13,7 @@ from exo.shared.types.events import (
     InstanceDeleted,
     MasterElected,
     ModelCardPublished,
+    ModelFoldersUnreadable,
     NodeJoined,
     NodeTelemetryReported,
     NodeTimedOut,
@@ -60,6 +61,9 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
                     "instances": {k: v for k, v in state.instances.items() if k not in gone},
                     "runners": {k: v for k, v in state.runners.items() if k not in gone},
                     "downloads": {k: v for k, v in state.downloads.items() if k != event.node_id},
+                    "unreadable_models": {
+                        k: v for k, v in state.unreadable_models.items() if k != event.node_id
+                    },
                     "master_id": None if state.master_id == event.node_id else state.master_id,
                 }
             )
@@ -118,6 +122,13 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
             if not models:
                 downloads.pop(event.node_id)
             return state.model_copy(update={"downloads": downloads})
+        case ModelFoldersUnreadable():
+            if event.node_id not in state.nodes:
+                return state
+            unreadable = {
+                k: v for k, v in state.unreadable_models.items() if k != event.node_id
+            } | ({event.node_id: event.folders} if event.folders else {})
+            return state.model_copy(update={"unreadable_models": unreadable})
 
 
 def apply(state: State, indexed: IndexedEvent) -> State:

@@ -15,6 +15,9 @@ class ServedModel:
     context_length: int
     runner: RunnerSupervisor
     created: int
+    # The most bytes of text one token stands for (`longest_token_bytes`):
+    # a prompt's size bounds its tokens from below before it is tokenized.
+    max_token_bytes: int
     # What a request leaves out of its sampling (the model's generation_config.json).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 

@@ -15,7 +15,7 @@ from loguru import logger
 from exo.cluster.link import ClusterLink
 from exo.cluster.model_files import PeerSource
 from exo.models.builtin import DEFAULT_MODEL_ID
-from exo.models.chat_tokenizer import load_chat_tokenizer
+from exo.models.chat_tokenizer import load_chat_tokenizer, longest_token_bytes
 from exo.models.file_source import DownloadError, FileSource
 from exo.models.local_store import ModelStore
 from exo.models.sampling_defaults import read_sampling_defaults
@@ -25,6 +25,7 @@ from exo.shared.types.events import (
     DownloadProgressed,
     DownloadRemoved,
     ModelCardPublished,
+    ModelFoldersUnreadable,
     RunnerStatusChanged,
 )
 from exo.shared.types.ids import InstanceId, ModelId
@@ -189,7 +190,7 @@ class Worker:
             if node_id == self.link.node_id or node is None or node.grpc_address is None:
                 continue
             if download is not None and download.have_files:
-                source = PeerSource(node_id, node.grpc_address, self.secret, self.link.node_id)
+                source = PeerSource(node_id, node.grpc_address, self.secret, self.link.certificate)
                 peers.append((-len(download.have_files), source))
         sources: list[FileSource] = [source for _, source in sorted(peers, key=lambda p: p[0])]
         if hub_enabled():
@@ -281,6 +282,11 @@ class Worker:
             self._publish_progress(_complete(model_id, remaining))
         else:
             self.link.publish(DownloadRemoved(node_id=self.link.node_id, model_id=model_id))
+        folder = str(self.models.writable_dir(model_id))
+        unreadable = self.link.state.unreadable_models.get(self.link.node_id, ())
+        if any(f.path == folder for f in unreadable):  # the deleted folder was unreadable
+            left = tuple(f for f in unreadable if f.path != folder)
+            self.link.publish(ModelFoldersUnreadable(node_id=self.link.node_id, folders=left))
         return deleted
 
     # -- runners -------------------------------------------------------------------
@@ -359,11 +365,12 @@ class Worker:
 
     async def _start(self, instance: Instance, rank: int, group: anyio.abc.TaskGroup) -> None:
         part = instance.ranks[rank]
-        where = (
-            f" rank {rank} of {len(instance.ranks)}, layers [{part.start_layer}, {part.end_layer})"
-            if len(instance.ranks) > 1
-            else ""
+        holds = (
+            "a slice of every layer"
+            if instance.sharding == "tensor"
+            else f"layers [{part.start_layer}, {part.end_layer})"
         )
+        where = f" rank {rank} of {len(instance.ranks)}, {holds}" if len(instance.ranks) > 1 else ""
         logger.info(
             f"starting a runner for {instance.model_id}{where} (instance {instance.instance_id})"
         )
@@ -408,6 +415,7 @@ class Worker:
                 context_length=context_length(path),
                 runner=runner,
                 created=int(time.time()),
+                max_token_bytes=await anyio.to_thread.run_sync(longest_token_bytes, tokenizer),
                 sampling_defaults=read_sampling_defaults(path),
             )
         except Exception as error:
@@ -442,8 +450,10 @@ class Worker:
 
 
 async def publish_local_models(link: ClusterLink, models: ModelStore) -> dict[ModelId, set[str]]:
-    """Tell the cluster which models this node has (cards and files)."""
-    found = await anyio.to_thread.run_sync(models.local_models)
+    """Tell the cluster which models this node has (cards and files), and which
+    of its model folders it could not read."""
+    local = await anyio.to_thread.run_sync(models.local_models)
+    found = local.found
     for card, files in found:
         link.publish(
             ModelCardPublished(card=card),
@@ -457,6 +467,8 @@ async def publish_local_models(link: ClusterLink, models: ModelStore) -> dict[Mo
     for model_id in sorted(link.state.downloads.get(link.node_id, {})):
         if model_id not in here:
             link.publish(DownloadRemoved(node_id=link.node_id, model_id=model_id))
+    if local.unreadable != link.state.unreadable_models.get(link.node_id, ()):
+        link.publish(ModelFoldersUnreadable(node_id=link.node_id, folders=local.unreadable))
     return {card.model_id: files for card, files in found}
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x65xo/cluster.proto\x12\x0b\x65xo.cluster\"(\n\x10\x43hallengeRequest\x12\x14\n\x0c\x63lient_nonce\x18\x01 \x01(\x0c\"<\n\x0e\x43hallengeReply\x12\x14\n\x0cserver_nonce\x18\x01 \x01(\x0c\x12\x14\n\x0cserver_proof\x18\x02 \x01(\x0c\"a\n\x0cProofRequest\x12\x14\n\x0c\x63lient_nonce\x18\x01 \x01(\x0c\x12\x14\n\x0cserver_nonce\x18\x02 \x01(\x0c\x12\x14\n\x0c\x63lient_proof\x18\x03 \x01(\x0c\x12\x0f\n\x07node_id\x18\x04 \x01(\t\"3\n\x0cSessionGrant\x12\r\n\x05token\x18\x01 \x01(\t\x12\x14\n\x0cvalid_for_ms\x18\x02 \x01(\x03\"(\n\x04Peer\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x98\x01\n\x0cHelloRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstarted_at_ms\x18\x03 \x01(\x03\x12\x14\n\x0c\x66orce_master\x18\x04 \x01(\x08\x12\x18\n\x10last_applied_idx\x18\x05 \x01(\x03\x12\x11\n\tmaster_id\x18\x06 \x01(\t\x12\x0c\n\x04term\x18\x07 \x01(\x04\"\xb8\x01\n\nHelloReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstarted_at_ms\x18\x03 \x01(\x03\x12\x14\n\x0c\x66orce_master\x18\x04 \x01(\x08\x12\x18\n\x10last_applied_idx\x18\x05 \x01(\x03\x12\x11\n\tmaster_id\x18\x06 \x01(\t\x12\x0c\n\x04term\x18\x07 \x01(\x04\x12 \n\x05peers\x18\x08 \x03(\x0b\x32\x11.exo.cluster.Peer\">\n\x0f\x43ommandEnvelope\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06origin\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\" \n\x0c\x43ommandReply\x12\x10\n\x08last_idx\x18\x01 \x01(\x03\"A\n\x12LocalEventEnvelope\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06origin\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"=\n\nEventBatch\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.exo.cluster.LocalEventEnvelope\"\"\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"$\n\x10SubscribeRequest\x12\x10\n\x08\x66rom_idx\x18\x01 \x01(\x03\"F\n\x14IndexedEventEnvelope\x12\x0b\n\x03idx\x18\x01 \x01(\x03\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x10\n\x08snapshot\x18\x03 \x01(\x0c\"B\n\x10\x46\x65tchFileRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\"=\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x03\")\n\x15ListModelFilesRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"7\n\tModelFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"6\n\rModelFileList\x12%\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x16.exo.cluster.ModelFile2\xc1\x04\n\x07\x43luster\x12G\n\tChallenge\x12\x1d.exo.cluster.ChallengeRequest\x1a\x1b.exo.cluster.ChallengeReply\x12=\n\x05Prove\x12\x19.exo.cluster.ProofRequest\x1a\x19.exo.cluster.SessionGrant\x12;\n\x05Hello\x12\x19.exo.cluster.HelloRequest\x1a\x17.exo.cluster.HelloReply\x12\x46\n\x0bSendCommand\x12\x1c.exo.cluster.CommandEnvelope\x1a\x19.exo.cluster.CommandReply\x12:\n\rPublishEvents\x12\x17.exo.cluster.EventBatch\x1a\x10.exo.cluster.Ack\x12U\n\x0fSubscribeEvents\x12\x1d.exo.cluster.SubscribeRequest\x1a!.exo.cluster.IndexedEventEnvelope0\x01\x12P\n\x0eListModelFiles\x12\".exo.cluster.ListModelFilesRequest\x1a\x1a.exo.cluster.ModelFileList\x12\x44\n\tFetchFile\x12\x1d.exo.cluster.FetchFileRequest\x1a\x16.exo.cluster.FileChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11\x65xo/cluster.proto\x12\x0b\x65xo.cluster\"(\n\x10\x43hallengeRequest\x12\x14\n\x0c\x63lient_nonce\x18\x01 \x01(\x0c\"<\n\x0e\x43hallengeReply\x12\x14\n\x0cserver_nonce\x18\x01 \x01(\x0c\x12\x14\n\x0cserver_proof\x18\x02 \x01(\x0c\"\x89\x01\n\x0cProofRequest\x12\x14\n\x0c\x63lient_nonce\x18\x01 \x01(\x0c\x12\x14\n\x0cserver_nonce\x18\x02 \x01(\x0c\x12\x14\n\x0c\x63lient_proof\x18\x03 \x01(\x0c\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x13\n\x0b\x63\x65rtificate\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"3\n\x0cSessionGrant\x12\r\n\x05token\x18\x01 \x01(\t\x12\x14\n\x0cvalid_for_ms\x18\x02 \x01(\x03\"(\n\x04Peer\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x98\x01\n\x0cHelloRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstarted_at_ms\x18\x03 \x01(\x03\x12\x14\n\x0c\x66orce_master\x18\x04 \x01(\x08\x12\x18\n\x10last_applied_idx\x18\x05 \x01(\x03\x12\x11\n\tmaster_id\x18\x06 \x01(\t\x12\x0c\n\x04term\x18\x07 \x01(\x04\"\xb8\x01\n\nHelloReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstarted_at_ms\x18\x03 \x01(\x03\x12\x14\n\x0c\x66orce_master\x18\x04 \x01(\x08\x12\x18\n\x10last_applied_idx\x18\x05 \x01(\x03\x12\x11\n\tmaster_id\x18\x06 \x01(\t\x12\x0c\n\x04term\x18\x07 \x01(\x04\x12 \n\x05peers\x18\x08 \x03(\x0b\x32\x11.exo.cluster.Peer\">\n\x0f\x43ommandEnvelope\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06origin\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\" \n\x0c\x43ommandReply\x12\x10\n\x08last_idx\x18\x01 \x01(\x03\"A\n\x12LocalEventEnvelope\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06origin\x18\x02 \x01(\t\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\"=\n\nEventBatch\x12/\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1f.exo.cluster.LocalEventEnvelope\"\"\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"$\n\x10SubscribeRequest\x12\x10\n\x08\x66rom_idx\x18\x01 \x01(\x03\"F\n\x14IndexedEventEnvelope\x12\x0b\n\x03idx\x18\x01 \x01(\x03\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x10\n\x08snapshot\x18\x03 \x01(\x0c\"B\n\x10\x46\x65tchFileRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\"=\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ntotal_size\x18\x03 \x01(\x03\")\n\x15ListModelFilesRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\"7\n\tModelFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"6\n\rModelFileList\x12%\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x16.exo.cluster.ModelFile2\xc1\x04\n\x07\x43luster\x12G\n\tChallenge\x12\x1d.exo.cluster.ChallengeRequest\x1a\x1b.exo.cluster.ChallengeReply\x12=\n\x05Prove\x12\x19.exo.cluster.ProofRequest\x1a\x19.exo.cluster.SessionGrant\x12;\n\x05Hello\x12\x19.exo.cluster.HelloRequest\x1a\x17.exo.cluster.HelloReply\x12\x46\n\x0bSendCommand\x12\x1c.exo.cluster.CommandEnvelope\x1a\x19.exo.cluster.CommandReply\x12:\n\rPublishEvents\x12\x17.exo.cluster.EventBatch\x1a\x10.exo.cluster.Ack\x12U\n\x0fSubscribeEvents\x12\x1d.exo.cluster.SubscribeRequest\x1a!.exo.cluster.IndexedEventEnvelope0\x01\x12P\n\x0eListModelFiles\x12\".exo.cluster.ListModelFilesRequest\x1a\x1a.exo.cluster.ModelFileList\x12\x44\n\tFetchFile\x12\x1d.exo.cluster.FetchFileRequest\x1a\x16.exo.cluster.FileChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,40 +35,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHALLENGEREQUEST']._serialized_end=74
   _globals['_CHALLENGEREPLY']._serialized_start=76
   _globals['_CHALLENGEREPLY']._serialized_end=136
-  _globals['_PROOFREQUEST']._serialized_start=138
-  _globals['_PROOFREQUEST']._serialized_end=235
-  _globals['_SESSIONGRANT']._serialized_start=237
-  _globals['_SESSIONGRANT']._serialized_end=288
-  _globals['_PEER']._serialized_start=290
-  _globals['_PEER']._serialized_end=330
-  _globals['_HELLOREQUEST']._serialized_start=333
-  _globals['_HELLOREQUEST']._serialized_end=485
-  _globals['_HELLOREPLY']._serialized_start=488
-  _globals['_HELLOREPLY']._serialized_end=672
-  _globals['_COMMANDENVELOPE']._serialized_start=674
-  _globals['_COMMANDENVELOPE']._serialized_end=736
-  _globals['_COMMANDREPLY']._serialized_start=738
-  _globals['_COMMANDREPLY']._serialized_end=770
-  _globals['_LOCALEVENTENVELOPE']._serialized_start=772
-  _globals['_LOCALEVENTENVELOPE']._serialized_end=837
-  _globals['_EVENTBATCH']._serialized_start=839
-  _globals['_EVENTBATCH']._serialized_end=900
-  _globals['_ACK']._serialized_start=902
-  _globals['_ACK']._serialized_end=936
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=938
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=974
-  _globals['_INDEXEDEVENTENVELOPE']._serialized_start=976
-  _globals['_INDEXEDEVENTENVELOPE']._serialized_end=1046
-  _globals['_FETCHFILEREQUEST']._serialized_start=1048
-  _globals['_FETCHFILEREQUEST']._serialized_end=1114
-  _globals['_FILECHUNK']._serialized_start=1116
-  _globals['_FILECHUNK']._serialized_end=1177
-  _globals['_LISTMODELFILESREQUEST']._serialized_start=1179
-  _globals['_LISTMODELFILESREQUEST']._serialized_end=1220
-  _globals['_MODELFILE']._serialized_start=1222
-  _globals['_MODELFILE']._serialized_end=1277
-  _globals['_MODELFILELIST']._serialized_start=1279
-  _globals['_MODELFILELIST']._serialized_end=1333
-  _globals['_CLUSTER']._serialized_start=1336
-  _globals['_CLUSTER']._serialized_end=1913
+  _globals['_PROOFREQUEST']._serialized_start=139
+  _globals['_PROOFREQUEST']._serialized_end=276
+  _globals['_SESSIONGRANT']._serialized_start=278
+  _globals['_SESSIONGRANT']._serialized_end=329
+  _globals['_PEER']._serialized_start=331
+  _globals['_PEER']._serialized_end=371
+  _globals['_HELLOREQUEST']._serialized_start=374
+  _globals['_HELLOREQUEST']._serialized_end=526
+  _globals['_HELLOREPLY']._serialized_start=529
+  _globals['_HELLOREPLY']._serialized_end=713
+  _globals['_COMMANDENVELOPE']._serialized_start=715
+  _globals['_COMMANDENVELOPE']._serialized_end=777
+  _globals['_COMMANDREPLY']._serialized_start=779
+  _globals['_COMMANDREPLY']._serialized_end=811
+  _globals['_LOCALEVENTENVELOPE']._serialized_start=813
+  _globals['_LOCALEVENTENVELOPE']._serialized_end=878
+  _globals['_EVENTBATCH']._serialized_start=880
+  _globals['_EVENTBATCH']._serialized_end=941
+  _globals['_ACK']._serialized_start=943
+  _globals['_ACK']._serialized_end=977
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=979
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1015
+  _globals['_INDEXEDEVENTENVELOPE']._serialized_start=1017
+  _globals['_INDEXEDEVENTENVELOPE']._serialized_end=1087
+  _globals['_FETCHFILEREQUEST']._serialized_start=1089
+  _globals['_FETCHFILEREQUEST']._serialized_end=1155
+  _globals['_FILECHUNK']._serialized_start=1157
+  _globals['_FILECHUNK']._serialized_end=1218
+  _globals['_LISTMODELFILESREQUEST']._serialized_start=1220
+  _globals['_LISTMODELFILESREQUEST']._serialized_end=1261
+  _globals['_MODELFILE']._serialized_start=1263
+  _globals['_MODELFILE']._serialized_end=1318
+  _globals['_MODELFILELIST']._serialized_start=1320
+  _globals['_MODELFILELIST']._serialized_end=1374
+  _globals['_CLUSTER']._serialized_start=1377
+  _globals['_CLUSTER']._serialized_end=1954
 # @@protoc_insertion_point(module_scope)

@@ -21,16 +21,20 @@ class ChallengeReply(_message.Message):
     def __init__(self, server_nonce: _Optional[bytes] = ..., server_proof: _Optional[bytes] = ...) -> None: ...
 
 class ProofRequest(_message.Message):
-    __slots__ = ("client_nonce", "server_nonce", "client_proof", "node_id")
+    __slots__ = ("client_nonce", "server_nonce", "client_proof", "node_id", "certificate", "signature")
     CLIENT_NONCE_FIELD_NUMBER: _ClassVar[int]
     SERVER_NONCE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_PROOF_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     client_nonce: bytes
     server_nonce: bytes
     client_proof: bytes
     node_id: str
-    def __init__(self, client_nonce: _Optional[bytes] = ..., server_nonce: _Optional[bytes] = ..., client_proof: _Optional[bytes] = ..., node_id: _Optional[str] = ...) -> None: ...
+    certificate: bytes
+    signature: bytes
+    def __init__(self, client_nonce: _Optional[bytes] = ..., server_nonce: _Optional[bytes] = ..., client_proof: _Optional[bytes] = ..., node_id: _Optional[str] = ..., certificate: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SessionGrant(_message.Message):
     __slots__ = ("token", "valid_for_ms")

@@ -90,8 +90,10 @@ class ClusterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prove(self, request, context):
-        """Authentication, step 2: the caller's proof of the secret in, a session
-        token out (UNAUTHENTICATED for a wrong proof). Needs no session.
+        """Authentication, step 2: the caller's proof of the secret and of its
+        identity in, a session token out (UNAUTHENTICATED for a wrong proof, a node
+        id that is not its certificate's, or one a live session holds with another
+        certificate). Needs no session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,7 +101,8 @@ class ClusterServicer:
 
     def Hello(self, request, context):
         """Membership and liveness: a node introduces itself to a peer (periodically,
-        doubling as a heartbeat); the reply carries the receiver's own facts and
+        doubling as a heartbeat; PERMISSION_DENIED when `node_id` is not the
+        session's node); the reply carries the receiver's own facts and
         the peers it knows, so membership spreads by gossip. There is no election
         message: every node elects the master on its own from these facts (the
         same facts give the same master), see exo/shared/election.py.
@@ -120,7 +123,10 @@ class ClusterServicer:
 
     def PublishEvents(self, request, context):
         """Node -> master: events that happened locally, to be indexed by the master.
-        Retried until acknowledged; duplicates are ignored by `id`.
+        Retried until acknowledged; duplicates are ignored by `id`. Events the
+        session's node may not publish (another node's, or the master's own
+        decisions) fail the call with PERMISSION_DENIED and the reason, and are
+        never indexed (the batch's other events are, so a retry is useless).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -4,7 +4,8 @@ model's, or every rank's of a split instance, in lockstep: `lockstep.py`).
 Each `step()` is a bounded piece of work: prompt reading worth one prefill chunk
 (a chunk of the oldest request still reading its prompt, or the short prompts
 of several read together in one forward pass, right-padded as mlx-lm's
-`BatchGenerator` reads them), then one decode step of every request in the
+`BatchGenerator` reads them, for models whose caches keep no state), then one
+decode step of every request in the
 batch. A new request's prompt is thus read between decode steps, and its first
 token never waits for other replies to end.
 
@@ -57,7 +58,7 @@ from exo.engine.mlx.generate import (
     TextGenerator,
     TextStream,
 )
-from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache
+from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, needs_checkpoints
 from exo.engine.mlx.sampling import PendingToken, SamplingStep, greedy_rows
 from exo.shared.types.tasks import GenerationParams
 
@@ -109,6 +110,12 @@ class Batch(Protocol):
     def step(self) -> list[tuple[str, BatchOutput]]: ...
 
 
+def prompts_read_together(layers: Sequence[LayerCache]) -> bool:
+    """Whether a model with these caches (all its layers') reads short prompts
+    together: only where no cache keeps a state (`ContinuousBatcher`)."""
+    return not needs_checkpoints(layers)
+
+
 def can_batch(layers: Sequence[LayerCache]) -> bool:
     """Whether every layer's cache has a batched form (mlx-lm's `merge`)."""
     return all(callable(getattr(layer, "merge", None)) for layer in layers)
@@ -136,10 +143,22 @@ class _Request:
 class ContinuousBatcher:
     """Serves many requests at once on a `LocalModel`; see the module docstring."""
 
-    def __init__(self, generator: TextGenerator, max_batch: int = MAX_BATCH) -> None:
+    def __init__(
+        self,
+        generator: TextGenerator,
+        max_batch: int = MAX_BATCH,
+        prompts_together: bool = True,
+    ) -> None:
+        """`prompts_together`: short prompts may be read in one forward pass,
+        right-padded. Not for models whose caches keep a state (SSM, linear
+        attention): whether padding is kept out of it is each mlx-lm model's to
+        get right, and not all do (mlx-lm 0.32.2's nemotron_h Mamba layers take
+        the state at the last, padded, position). A split instance's ranks
+        decide it alike, from the whole model's caches (`prompts_read_together`)."""
         self._generator = generator
         self._model = generator.forward
         self.max_batch = max_batch
+        self._prompts_together = prompts_together
         self._reading: deque[_Request] = deque()
         self._chunks: dict[str, Iterator[int]] = {}  # prefill, by task id
         self._rows: list[_Request] = []
@@ -248,6 +267,8 @@ class ContinuousBatcher:
         together (and in the batch), to read in one forward pass; none when the
         oldest one's does not (it is read a chunk at a time)."""
         group: list[_Request] = []
+        if not self._prompts_together:
+            return group
         room, total = self.max_batch - len(self._rows), 0
         for request in self._reading:
             rest = len(request.tokens) - 1 - request.read

@@ -33,9 +33,10 @@ import secrets
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from loguru import logger
 from pydantic import BaseModel
 
-from exo.engine.mlx.batch import Batch, BatchOutput, PromptProgress
+from exo.engine.mlx.batch import Batch, BatchOutput, GenerationFailed, PromptProgress
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.engine.mlx.ring import (
     Header,
@@ -202,9 +203,12 @@ class LockstepFollower:
                     batch.cancel(_Cancel.model_validate_json(np.array(payload).tobytes()).task_id)
                 case Op.STEP:
                     try:
-                        batch.step()  # the outputs are rank 0's to send
+                        outputs = batch.step()  # rank 0's to send
                     except RingStopped:
                         return
+                    for task_id, output in outputs:
+                        if isinstance(output, GenerationFailed):  # as on rank 0, unless a bug
+                            logger.opt(exception=output.error).warning(f"task {task_id} failed")
                 case _:
                     raise PipelineError(f"unexpected {header.op.name} from rank {link.left}")
             if was_idle and not batch.idle:

@@ -10,9 +10,15 @@ and traces those functions for their first shapes; the CPU decode kernel
 its own: the prefix cache is never touched.
 """
 
-from exo.engine.mlx.batch import ContinuousBatcher, GenerationFailed
+from exo.engine.mlx.batch import (
+    ContinuousBatcher,
+    GenerationFailed,
+    can_batch,
+    prompts_read_together,
+)
 from exo.engine.mlx.cpu_few_rows import KERNEL_ROWS
 from exo.engine.mlx.generate import LocalModel, TextGenerator
+from exo.engine.mlx.prefix_cache import LayerCache
 from exo.shared.types.tasks import GenerationParams
 
 # A short prompt, in any model's vocabulary, and how many tokens each reply draws.
@@ -22,12 +28,13 @@ _TEMPERATURE = 0.7
 _TOP_P = 0.9
 
 
-def warm_up(model: LocalModel, batches: bool) -> None:
+def warm_up(model: LocalModel, caches: list[LayerCache]) -> None:
     """Generate a few tokens on `model` the ways requests do: greedy in batches of
     every size up to one past its `eager_rows` (so both decode modes run) where
-    requests `batches`, one at a time where not, and drawn at a temperature. Call
-    it after loading and before reporting ready (a split instance's ranks all
-    together); it raises what a request would have failed with."""
+    the model's `caches` (all its layers') batch, one at a time where not, and
+    drawn at a temperature. Call it after loading and before reporting ready (a
+    split instance's ranks all together); it raises what a request would have
+    failed with."""
     prompt = model.tokenizer.encode(_PROMPT)
     no_eos = {token: -100.0 for token in model.tokenizer.eos_token_ids}  # every row runs its course
     rows = min(model.eager_rows, KERNEL_ROWS) + 1  # a split instance rank's is unbounded
@@ -40,12 +47,12 @@ def warm_up(model: LocalModel, batches: bool) -> None:
         max_tokens=_REPLY_TOKENS, temperature=_TEMPERATURE, top_p=_TOP_P, seed=0, logit_bias=no_eos
     )
     generator = TextGenerator(model, model.tokenizer, prefix_cache=None)
-    if not batches:
+    if not can_batch(caches):
         for params in (greedy[0], drawn):
             for _ in generator.generate(prompt, params):
                 pass
         return
-    batcher = ContinuousBatcher(generator)
+    batcher = ContinuousBatcher(generator, prompts_together=prompts_read_together(caches))
     for together in (greedy, [drawn]):
         for n, params in enumerate(together):
             batcher.add(f"warm-up-{n}", prompt, params)

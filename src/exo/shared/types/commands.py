@@ -9,7 +9,7 @@ from pydantic import Field, TypeAdapter
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import InstanceId, ModelId
 from exo.shared.types.model_card import ModelCard
-from exo.shared.types.state import InstanceRank
+from exo.shared.types.state import InstanceRank, Sharding
 
 
 class CreateInstance(FrozenModel):
@@ -19,6 +19,7 @@ class CreateInstance(FrozenModel):
     instance_id: InstanceId
     model_id: ModelId
     ranks: tuple[InstanceRank, ...] = Field(min_length=1)
+    sharding: Sharding = "pipeline"  # tensor: every rank holds [0, n_layers)
     # The model's card, for a model the cluster has no card of (e.g. from the hub).
     card: ModelCard | None = None
 
@@ -31,6 +32,7 @@ class PlaceInstance(FrozenModel):
     model_id: ModelId
     min_nodes: int = Field(default=1, ge=1)
     max_nodes: int | None = Field(default=None, ge=1)
+    sharding: Sharding = "pipeline"
     # The model's card, for a model the cluster has no card of (e.g. from the hub).
     card: ModelCard | None = None
 

@@ -9,7 +9,7 @@ from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.model_card import ModelCard
 from exo.shared.types.runner import RunnerStatus
-from exo.shared.types.state import Instance, NodeTelemetry
+from exo.shared.types.state import Instance, NodeTelemetry, UnreadableModelFolder
 
 
 class NodeJoined(FrozenModel):
@@ -76,6 +76,15 @@ class DownloadRemoved(FrozenModel):
     model_id: ModelId
 
 
+class ModelFoldersUnreadable(FrozenModel):
+    """The node's model folders that could not be read, all of them (each report
+    replaces the last; none: every folder was read)."""
+
+    kind: Literal["model_folders_unreadable"] = "model_folders_unreadable"
+    node_id: NodeId
+    folders: tuple[UnreadableModelFolder, ...]
+
+
 Event = Annotated[
     NodeJoined
     | NodeTelemetryReported
@@ -86,7 +95,8 @@ Event = Annotated[
     | RunnerStatusChanged
     | ModelCardPublished
     | DownloadProgressed
-    | DownloadRemoved,
+    | DownloadRemoved
+    | ModelFoldersUnreadable,
     Field(discriminator="kind"),
 ]
 

@@ -61,6 +61,10 @@ class ModelCard(FrozenModel):
     context_length: int
     vocab_size: int
     tie_word_embeddings: bool
+    # The dense MLP's hidden width and a mixture-of-experts expert's (None: the
+    # config gives none): a tensor split divides them, with the heads, evenly.
+    intermediate_size: int | None = None
+    moe_intermediate_size: int | None = None
     # Relative file names a node needs: weight files, then config/tokenizer files.
     files: tuple[str, ...]
     weight_files: tuple[WeightFile, ...]

@@ -11,6 +11,9 @@ from exo.shared.types.model_card import ModelCard
 from exo.shared.types.runner import RunnerStatus
 
 MlxBackend = Literal["metal", "cuda", "cpu"]
+# How an instance splits a model between its ranks: consecutive layers each
+# ("pipeline"), or a slice of every layer each ("tensor").
+Sharding = Literal["pipeline", "tensor"]
 
 
 class NodeTelemetry(FrozenModel):
@@ -36,7 +39,8 @@ class NodeInfo(FrozenModel):
 
 
 class InstanceRank(FrozenModel):
-    """One node's part of an instance: layers [start_layer, end_layer)."""
+    """One node's part of an instance: layers [start_layer, end_layer); a tensor
+    rank holds a slice of each of them, [0, n_layers)."""
 
     node_id: NodeId
     start_layer: int = Field(ge=0)
@@ -44,7 +48,8 @@ class InstanceRank(FrozenModel):
 
 
 class Instance(FrozenModel):
-    """A model served by one runner per rank, the ranks in pipeline order."""
+    """A model served by one runner per rank, the ranks in pipeline order (a
+    pipeline) or in ring order, each over every layer (tensor)."""
 
     instance_id: InstanceId
     model_id: ModelId
@@ -55,6 +60,7 @@ class Instance(FrozenModel):
     # What the placement asked for: a re-placement asks for the same.
     min_nodes: int = Field(default=1, ge=1)
     max_nodes: int | None = Field(default=None, ge=1)
+    sharding: Sharding = "pipeline"
 
     @property
     def n_layers(self) -> int:
@@ -79,6 +85,14 @@ class RunnerInfo(FrozenModel):
     error: str | None = None
 
 
+class UnreadableModelFolder(FrozenModel):
+    """A folder in a node's models directories that could not be described as
+    a model: the node skips it and serves the others."""
+
+    path: str
+    reason: str
+
+
 InstanceStatus = Literal["downloading", "starting", "loading", "ready", "running", "failed"]
 
 
@@ -91,6 +105,8 @@ class State(FrozenModel):
     downloads: dict[NodeId, dict[ModelId, DownloadProgress]] = Field(default_factory=dict)
     # Every model some node has described (placement needs its layers and bytes).
     cards: dict[ModelId, ModelCard] = Field(default_factory=dict)
+    # Each node's model folders that could not be read, and why (absent: none).
+    unreadable_models: dict[NodeId, tuple[UnreadableModelFolder, ...]] = Field(default_factory=dict)
     master_id: NodeId | None = None
     master_term: int = 0
     # Index of the last applied event; -1 before the first.

@@ -25,14 +25,14 @@ from pathlib import Path
 import mlx.core as mx
 from loguru import logger
 
-from exo.engine.mlx.batch import Batch, ContinuousBatcher, can_batch
+from exo.engine.mlx.batch import Batch, ContinuousBatcher, can_batch, prompts_read_together
 from exo.engine.mlx.cpu_few_rows import configure_kernel_threads
 from exo.engine.mlx.generate import LocalModel, TextGenerator
 from exo.engine.mlx.load import load_model_tokenizer
 from exo.engine.mlx.lockstep import Decisions, LockstepBatch, LockstepFollower
 from exo.engine.mlx.one_at_a_time import OneAtATime
 from exo.engine.mlx.pipeline import PipelineStage, RingDraw
-from exo.engine.mlx.prefix_cache import KVPrefixCache, needs_checkpoints
+from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, needs_checkpoints
 from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
 from exo.engine.mlx.ring import PeerLost, RingLink, join_ring
 from exo.engine.mlx.ring_agreements import (
@@ -62,7 +62,8 @@ class _Rank:
     link: RingLink
     local: LocalModel
     cache: KVPrefixCache | None
-    batches: bool  # requests decode together (decided alike on every rank)
+    # Every layer's caches, empty: what they can do is decided alike on every rank.
+    whole_caches: list[LayerCache]
 
 
 def serve_split_rank(
@@ -130,9 +131,8 @@ def _join(
         checkpoints=needs_checkpoints(local.make_cache()),
         every_layer=tensor,
     )
-    batches = can_batch(whole_caches)
     # First-use compiles before "ready", not in the first request: every rank at once.
-    warm_up(local, batches)
+    warm_up(local, whole_caches)
     if cache is not None:
         cache.ends_only = agreed.ends_only
     if cache is not None and agreed.disk:
@@ -140,7 +140,7 @@ def _join(
     elif cache is not None and tier is not None:
         logger.warning(f"prefix cache: another {kind} rank keeps no disk tier: none is used")
         cache.detach_disk()
-    return _Rank(link, local, cache, batches)
+    return _Rank(link, local, cache, whole_caches)
 
 
 def _batch(
@@ -150,8 +150,9 @@ def _batch(
 ) -> Batch:
     """The same kind of batch on every rank: continuous where the caches batch."""
     generator = TextGenerator(rank.local, rank.local.tokenizer, rank.cache)
-    if rank.batches:
-        return ContinuousBatcher(generator)
+    if can_batch(rank.whole_caches):
+        together = prompts_read_together(rank.whole_caches)
+        return ContinuousBatcher(generator, prompts_together=together)
     logger.info("this model's caches do not batch: requests are served one at a time")
     return OneAtATime(generator, on_progress, is_cancelled)
 

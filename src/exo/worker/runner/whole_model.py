@@ -7,11 +7,11 @@ from pathlib import Path
 
 from loguru import logger
 
-from exo.engine.mlx.batch import Batch, ContinuousBatcher, can_batch
+from exo.engine.mlx.batch import Batch, ContinuousBatcher, can_batch, prompts_read_together
 from exo.engine.mlx.generate import LocalModel, TextGenerator
 from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.one_at_a_time import OneAtATime
-from exo.engine.mlx.prefix_cache import KVPrefixCache
+from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache
 from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
 from exo.engine.mlx.warm_up import warm_up
 from exo.worker.runner.cache_policy import may_persist, memory_pressure
@@ -38,9 +38,9 @@ def serve_whole_model(
         else None
     )
     local = LocalModel(model, tokenizer)
-    batches = can_batch(local.make_cache())
-    warm_up(local, batches)  # first-use compiles before "ready", not in the first request
-    batch = _batch(runner, TextGenerator(local, tokenizer, cache), batches)
+    caches = local.make_cache()
+    warm_up(local, caches)  # first-use compiles before "ready", not in the first request
+    batch = _batch(runner, TextGenerator(local, tokenizer, cache), caches)
     runner.ready(cache)
     try:
         runner.serve(batch, keep_alive=lambda: _persist_while_idle(runner, cache))
@@ -49,9 +49,9 @@ def serve_whole_model(
             cache.persist()
 
 
-def _batch(runner: Runner, generator: TextGenerator, batches: bool) -> Batch:
-    if batches:
-        return ContinuousBatcher(generator)
+def _batch(runner: Runner, generator: TextGenerator, caches: list[LayerCache]) -> Batch:
+    if can_batch(caches):
+        return ContinuousBatcher(generator, prompts_together=prompts_read_together(caches))
     logger.info("this model's caches do not batch: requests are served one at a time")
     return OneAtATime(generator, runner.report_progress, runner.is_cancelled)
 
