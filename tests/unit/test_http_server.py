@@ -118,15 +118,20 @@ def test_a_slow_client_that_keeps_reading_is_served(flood: Flood) -> None:
         assert read > 0 and not flood.ended.is_set()
 
 
+def trickle(client: socket.socket, data: bytes) -> None:
+    """Send `data` a byte every 0.1 s, until the server closes the connection."""
+    for byte in data:
+        try:
+            client.send(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            return
+        time.sleep(0.1)
+
+
 def test_headers_sent_a_byte_at_a_time_are_cut(flood: Flood) -> None:
     with serving(flood) as port, connect(port) as client:
         started = time.monotonic()
-        for byte in b"GET /flood HTTP/1.1\r\nHost: somewhere.example\r\n":
-            try:
-                client.send(bytes([byte]))
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            time.sleep(0.1)
+        trickle(client, b"GET /flood HTTP/1.1\r\nHost: somewhere.example\r\n")
         assert closed_by_server(client, within=STALL_SECONDS + SLACK_SECONDS)
         assert time.monotonic() - started < STALL_SECONDS + SLACK_SECONDS
         assert not flood.ended.is_set()  # no request ever reached the app
@@ -144,12 +149,7 @@ def test_a_trickled_body_is_cut_and_one_sent_at_once_is_answered(flood: Flood) -
         with connect(port) as client:
             client.sendall(head)
             started = time.monotonic()
-            for byte in body[:50]:
-                try:
-                    client.send(bytes([byte]))
-                except (BrokenPipeError, ConnectionResetError):
-                    break
-                time.sleep(0.1)
+            trickle(client, body[:50])
             assert closed_by_server(client, within=STALL_SECONDS + SLACK_SECONDS)
             allowed = STALL_SECONDS + len(body) / MIN_BODY_BYTES_PER_SECOND
             assert time.monotonic() - started < allowed + SLACK_SECONDS
