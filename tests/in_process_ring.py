@@ -25,7 +25,12 @@ from exo.engine.mlx.batch import (
 )
 from exo.engine.mlx.generate import Finished, LocalModel, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_model_tokenizer
-from exo.engine.mlx.lockstep import Decisions, LockstepBatch, LockstepFollower
+from exo.engine.mlx.lockstep import (
+    LOCKSTEP_EAGER_ROWS,
+    Decisions,
+    LockstepBatch,
+    LockstepFollower,
+)
 from exo.engine.mlx.one_at_a_time import OneAtATime
 from exo.engine.mlx.pipeline import PipelineStage, RingDraw
 from exo.engine.mlx.prefix_cache import KVPrefixCache, needs_checkpoints
@@ -157,7 +162,7 @@ def pipeline_rank_batch(
     """A pipeline rank's batch, as `worker/runner/split_rank.py` makes it (no
     cancellations: nothing here cancels)."""
     local = LocalModel(PipelineStage(shard, link), tokenizer, lambda step: RingDraw(step, link))
-    local.eager_rows = 1 << 30  # as a split instance rank's
+    local.eager_rows = LOCKSTEP_EAGER_ROWS
     generator = TextGenerator(local, tokenizer, cache)
     decide = Decisions(link)
     caches = shard.whole_model_caches()

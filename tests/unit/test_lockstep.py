@@ -20,7 +20,12 @@ from exo.engine.mlx.generate import (
     TextGenerator,
 )
 from exo.engine.mlx.load import load_for_inference
-from exo.engine.mlx.lockstep import Decisions, LockstepBatch, LockstepFollower
+from exo.engine.mlx.lockstep import (
+    LOCKSTEP_EAGER_ROWS,
+    Decisions,
+    LockstepBatch,
+    LockstepFollower,
+)
 from exo.engine.mlx.one_at_a_time import OneAtATime
 from exo.engine.mlx.ring import Message
 from exo.engine.mlx.ring_agreements import RingLead, ring_prefix_cache
@@ -37,7 +42,7 @@ def _rank_batch(
 ) -> Batch:
     model, tokenizer = load_for_inference(model_dir)
     local = LocalModel(model, tokenizer)
-    local.eager_rows = 1 << 30  # as a tensor rank's
+    local.eager_rows = LOCKSTEP_EAGER_ROWS
     cache = ring_prefix_cache(link, 1 << 30, lambda: False, lockstep=True)
     generator = TextGenerator(local, tokenizer, cache)
     if one_at_a_time:

@@ -37,6 +37,7 @@ from loguru import logger
 from pydantic import BaseModel
 
 from exo.engine.mlx.batch import Batch, BatchOutput, GenerationFailed, PromptProgress
+from exo.engine.mlx.generate import GenerationCancelled
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.engine.mlx.ring import (
     Header,
@@ -55,6 +56,9 @@ from exo.engine.mlx.ring_agreements import (
 )
 from exo.shared.types.tasks import GenerationParams
 
+# A rank's `LocalModel.eager_rows`: every decode step's tokens are read back
+# within the step, so nothing is in flight when a message goes (see above).
+LOCKSTEP_EAGER_ROWS = 1 << 30
 # A seed filled in for a request that has none (every rank must draw alike).
 _SEED_BITS = 63
 
@@ -206,8 +210,9 @@ class LockstepFollower:
                         outputs = batch.step()  # rank 0's to send
                     except RingStopped:
                         return
-                    for task_id, output in outputs:
-                        if isinstance(output, GenerationFailed):  # as on rank 0, unless a bug
+                    for task_id, output in outputs:  # failures: as on rank 0, unless a bug
+                        failed = isinstance(output, GenerationFailed)
+                        if failed and not isinstance(output.error, GenerationCancelled):
                             logger.opt(exception=output.error).warning(f"task {task_id} failed")
                 case _:
                     raise PipelineError(f"unexpected {header.op.name} from rank {link.left}")

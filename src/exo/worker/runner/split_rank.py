@@ -29,7 +29,12 @@ from exo.engine.mlx.batch import Batch, ContinuousBatcher, can_batch, prompts_re
 from exo.engine.mlx.cpu_few_rows import configure_kernel_threads
 from exo.engine.mlx.generate import LocalModel, TextGenerator
 from exo.engine.mlx.load import load_model_tokenizer
-from exo.engine.mlx.lockstep import Decisions, LockstepBatch, LockstepFollower
+from exo.engine.mlx.lockstep import (
+    LOCKSTEP_EAGER_ROWS,
+    Decisions,
+    LockstepBatch,
+    LockstepFollower,
+)
 from exo.engine.mlx.one_at_a_time import OneAtATime
 from exo.engine.mlx.pipeline import PipelineStage, RingDraw
 from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, needs_checkpoints
@@ -49,10 +54,6 @@ from exo.worker.runner.cache_policy import may_persist, memory_pressure
 from exo.worker.runner.inbox import StopRequested
 from exo.worker.runner.protocol import StatusChanged
 from exo.worker.runner.serving import Runner
-
-# A rank reads every decode step's tokens back within the step: messages share
-# the ring with the forward passes, nothing may be in flight between steps.
-_ALWAYS_EAGER = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def _join(
         local = LocalModel(PipelineStage(shard, link), tokenizer, lambda step: RingDraw(step, link))
         whole_caches = shard.whole_model_caches()
         namespace = cache_namespace(model_dir, layers)
-    local.eager_rows = _ALWAYS_EAGER
+    local.eager_rows = LOCKSTEP_EAGER_ROWS
     logger.info(
         f"loaded {'a slice of every layer' if tensor else layers} (peak "
         f"{mx.get_peak_memory() / 1e6:.0f} MB) in {time.monotonic() - joined:.1f}s"
