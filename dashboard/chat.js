@@ -133,6 +133,12 @@ export class ChatView {
       if (first !== null && usage.completion_tokens > 1 && decode > 0) {
         parts.push(`${((usage.completion_tokens - 1) / decode).toFixed(1)} tokens/s`);
       }
+      // Speculative decoding: how much of what was drafted the model accepted.
+      const details = usage.completion_tokens_details;
+      if (details?.drafted_tokens) {
+        const rate = Math.round((100 * details.accepted_draft_tokens) / details.drafted_tokens);
+        parts.push(`${rate}% of ${details.drafted_tokens} drafted tokens accepted`);
+      }
       const cached = usage.prompt_tokens_details?.cached_tokens ?? 0;
       parts.push(`${usage.completion_tokens} tokens out`);
       parts.push(`cached ${cached} of ${usage.prompt_tokens} prompt tokens`);

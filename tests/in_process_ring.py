@@ -21,6 +21,7 @@ from exo.engine.mlx.batch import (
     ContinuousBatcher,
     GenerationFailed,
     can_batch,
+    can_speculate,
     prompts_read_together,
 )
 from exo.engine.mlx.generate import Finished, LocalModel, TextDelta, TextGenerator
@@ -167,7 +168,11 @@ def pipeline_rank_batch(
     decide = Decisions(link)
     caches = shard.whole_model_caches()
     if can_batch(caches):
-        return ContinuousBatcher(generator, prompts_together=prompts_read_together(caches))
+        return ContinuousBatcher(
+            generator,
+            prompts_together=prompts_read_together(caches),
+            speculate=can_speculate(caches),
+        )
     return OneAtATime(generator, is_cancelled=lambda task_id: decide(lambda: False))
 
 

@@ -32,11 +32,15 @@ from exo.shared.allocator import keep_large_buffers_in_the_heap
 
 DEFAULT_API_PORT = 52415
 DEFAULT_GRPC_PORT = 52414
+# Where Ollama's own server listens: what --ollama-port is for.
+OLLAMA_DEFAULT_PORT = 11434
 # Share of RAM the prefix cache may hold by default.
 DEFAULT_PREFIX_CACHE_FRACTION = 0.2
 # Share of the data dir's free disk the prefix cache's disk tier may hold by default.
 DEFAULT_PREFIX_CACHE_DISK_FRACTION = 0.1
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL")
+# How a runner drafts tokens for speculative decoding; "none": it does not.
+SPECULATION_MODES = ("prompt-lookup", "none")
 # Values of a switch's environment variable.
 SWITCH_ON = ("1", "true", "yes", "on")
 SWITCH_OFF = ("", "0", "false", "no", "off")
@@ -104,6 +108,12 @@ def _log_level(text: str) -> str:
     return text.upper()
 
 
+def _speculation(text: str) -> str:
+    if text.lower() not in SPECULATION_MODES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(SPECULATION_MODES)}")
+    return text.lower()
+
+
 FLAGS: tuple[Flag, ...] = (
     Flag("--data-dir", "EXO_DATA_DIR", "where the node keeps its state", str(default_data_dir()), Path, scope="shared"),
     Flag("--models-dir", "EXO_MODELS_DIR", "where models live, one folder each (default: DATA_DIR/models)", type=Path, scope="shared"),
@@ -111,6 +121,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--host", "EXO_HOST", "address the HTTP API binds to; 127.0.0.1 keeps it on this machine (the cluster link binds --grpc-host)", "0.0.0.0"),
     Flag("--api-key", "EXO_API_KEY", "key every API request must carry (Authorization: Bearer KEY or x-api-key: KEY), but /health and the dashboard page; every node of a cluster needs the same one"),
     Flag("--api-port", "EXO_API_PORT", "HTTP API port", str(DEFAULT_API_PORT), int),
+    Flag("--ollama-port", "EXO_OLLAMA_PORT", f"also serve the HTTP API on this port, with / answering as Ollama's server does, "
+         f"for clients that expect Ollama there (e.g. {OLLAMA_DEFAULT_PORT}); off by default", type=int),
     Flag("--models-read-only-dirs", "EXO_MODELS_READ_ONLY_DIRS", f"'{os.pathsep}'-separated model directories used in place and never written (e.g. a shared disk)", ""),
     Flag("--min-free-disk-bytes", "EXO_MIN_FREE_DISK_BYTES", "free disk space downloads never use (default: 1 GiB or 5 %% of the disk, the larger)", type=int),
     Flag("--model", "EXO_MODEL", "model id to serve on this node from the start; 'none': only what is placed here", DEFAULT_MODEL_ID),
@@ -126,6 +138,8 @@ FLAGS: tuple[Flag, ...] = (
          "also the longest a request's headers may take", str(DEFAULT_CLIENT_STALL_SECONDS), float),
     Flag("--model-alias", "EXO_MODEL_ALIAS", "comma-separated PATTERN=MODEL rules naming the served model that answers requests for other model names "
          "(fnmatch patterns, first match wins), e.g. 'claude-*=MODEL'; claude-* names go to the only served model when there is one", ""),
+    Flag("--speculation", "EXO_SPECULATION", f"speculative decoding's drafts, one of {', '.join(SPECULATION_MODES)}: "
+         "prompt-lookup drafts tokens from the prompt (and a request's prediction), none turns drafting off", "prompt-lookup", _speculation),
     Flag("--grpc-host", "EXO_GRPC_HOST", "address the cluster link (gRPC) binds to", "0.0.0.0", scope="cluster"),
     Flag("--grpc-port", "EXO_GRPC_PORT", "port of the cluster link (gRPC)", str(DEFAULT_GRPC_PORT), int, scope="cluster"),
     Flag("--peers", "EXO_PEERS", "comma-separated host:grpc_port of other nodes, for networks where discovery is blocked", "", scope="cluster"),
@@ -263,6 +277,13 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         _fail(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg'].lower()}")
     if not args.client_stall_seconds > 0:
         _fail("--client-stall-seconds must be a positive number of seconds")
+    if args.ollama_port is not None:
+        if not 0 < args.ollama_port < 65536:
+            _fail("--ollama-port must be a port number (1-65535)")
+        if args.ollama_port == args.api_port:
+            _fail("--ollama-port must differ from --api-port")
+        if args.no_api:
+            _fail("--ollama-port serves the HTTP API, which --no-api turns off")
     cache_bytes = args.prefix_cache_bytes
     if cache_bytes is None:
         cache_bytes = int(psutil.virtual_memory().total * DEFAULT_PREFIX_CACHE_FRACTION)
@@ -278,6 +299,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
     return NodeConfig(
         host=args.host,
         api_port=args.api_port,
+        ollama_port=args.ollama_port,
         data_dir=args.data_dir,
         models_dir=models_dir(args),
         model_id=model_id,
@@ -301,6 +323,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
             Path(d) for d in args.models_read_only_dirs.split(os.pathsep) if d.strip()
         ),
         min_free_disk_bytes=args.min_free_disk_bytes,
+        speculation=args.speculation != "none",
     )
 
 

@@ -15,6 +15,7 @@ from exo.api.app import create_app
 from exo.api.auth import APIAccess, is_loopback_address
 from exo.api.http_server import DEFAULT_CLIENT_STALL_SECONDS, api_server
 from exo.api.model_alias import ModelAlias
+from exo.api.ollama_routes import with_ollama_root
 from exo.cluster.discovery import MdnsDiscovery, default_advertised_addresses
 from exo.cluster.link import ClusterLink
 from exo.cluster.timing import LinkTiming
@@ -75,12 +76,16 @@ class NodeConfig:
     # A client that takes no bytes of an answer, or sends none of its request,
     # this long is cut off (`exo.api.http_server`).
     client_stall_seconds: float = DEFAULT_CLIENT_STALL_SECONDS
+    # Speculative decoding (prompt-lookup drafts) in this node's runners.
+    speculation: bool = True
+    # A second port of the HTTP API, where `/` answers as Ollama's server does.
+    ollama_port: int | None = None
 
     def model_store(self) -> ModelStore:
         return ModelStore(self.models_dir, self.read_only_models_dirs)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, flag: str) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -90,7 +95,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise NodeStartupError(
             f"cannot listen on {host}:{port} ({error.strerror}); "
-            "is another exo running? Choose another port with --api-port"
+            f"is another exo (or Ollama) running? Choose another port with {flag}"
         ) from error
     sock.listen(128)
     sock.setblocking(False)
@@ -230,7 +235,9 @@ async def run_node(config: NodeConfig) -> None:
 
 
 async def _run_node(config: NodeConfig) -> None:
-    sock = _bind(config.host, config.api_port) if config.api else None
+    socks = [_bind(config.host, config.api_port, "--api-port")] if config.api else []
+    if socks and config.ollama_port is not None:
+        socks.append(_bind(config.host, config.ollama_port, "--ollama-port"))
     shown_host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
     base_url = f"http://{shown_host}:{config.api_port}"
     certificate = load_identity(config.data_dir)
@@ -293,6 +300,7 @@ async def _run_node(config: NodeConfig) -> None:
             on_ready=announce,
             stale=stale,
             disk_space=DiskSpace(config.min_free_disk_bytes),
+            speculation=config.speculation,
         )
         if config.worker
         else None
@@ -323,7 +331,7 @@ async def _run_node(config: NodeConfig) -> None:
         if worker is not None:
             group.start_soon(worker.run)
         try:
-            if sock is not None:
+            if socks:
                 access = APIAccess.for_bind(config.host, config.api_key)
                 if access.open_to_the_network:
                     logger.warning(
@@ -339,11 +347,16 @@ async def _run_node(config: NodeConfig) -> None:
                     limits=config.admission,
                     access=access,
                 )
-                server = api_server(app, config.client_stall_seconds)
+                served = (
+                    app if config.ollama_port is None else with_ollama_root(app, config.ollama_port)
+                )
+                server = api_server(served, config.client_stall_seconds)
                 logger.info(f"API listening on {base_url} (dashboard: {base_url}/)")
+                if config.ollama_port is not None:
+                    logger.info(f"Ollama API also on http://{shown_host}:{config.ollama_port}")
                 if worker is not None and config.model_id is not None:
                     logger.info(f"try:\n  {_curl_example(base_url, config.model_id)}")
-                await server.serve(sockets=[sock])
+                await server.serve(sockets=socks)
             else:
                 await anyio.sleep_forever()
         finally:

@@ -1,5 +1,5 @@
 """End to end: a real `exo` process with `--api-key`, used by the official
-`openai` and `anthropic` clients, and its API and cluster link on separate binds."""
+`openai`, `anthropic` and `ollama` clients, and its API and cluster link on separate binds."""
 
 import json
 import socket
@@ -9,6 +9,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 from playwright.sync_api import expect
@@ -78,7 +79,23 @@ def test_the_anthropic_client_with_a_wrong_key_is_refused(node: NodeProcess) -> 
     assert refused.value.body["error"]["type"] == "authentication_error"
 
 
-@pytest.mark.parametrize("path", ["/cluster", "/state", "/metrics", "/v1/models", "/events"])
+def test_the_ollama_client_with_the_key_is_answered(node: NodeProcess) -> None:
+    reply = ollama.Client(host=node.base_url, headers=BEARER, timeout=120).chat(
+        model=DEFAULT_MODEL_ID, messages=QUESTION, options={"temperature": 0, "num_predict": 30}
+    )
+    assert "Paris" in (reply.message.content or "")
+
+
+def test_the_ollama_client_with_a_wrong_key_is_refused(node: NodeProcess) -> None:
+    with pytest.raises(ollama.ResponseError) as refused:
+        ollama.Client(host=node.base_url, headers={"Authorization": "Bearer wrong"}).list()
+    assert refused.value.status_code == 401
+    assert "API key" in refused.value.error
+
+
+@pytest.mark.parametrize(
+    "path", ["/cluster", "/state", "/metrics", "/v1/models", "/events", "/api/tags"]
+)
 def test_every_route_needs_the_key(node: NodeProcess, path: str) -> None:
     assert httpx.get(f"{node.base_url}{path}", timeout=5).status_code == 401
 

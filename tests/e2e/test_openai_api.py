@@ -90,6 +90,46 @@ def test_max_tokens_limits_the_answer(node: NodeProcess) -> None:
     assert reply.choices[0].finish_reason == "length"
 
 
+def test_a_predicted_output_is_drafted_from_and_counted(node: NodeProcess) -> None:
+    """OpenAI's Predicted Outputs: the prediction drafts the reply, which stays
+    the greedy one; usage counts the prediction's tokens taken and the rest."""
+    plain = client(node).chat.completions.create(
+        model=DEFAULT_MODEL_ID, messages=QUESTION, temperature=0, max_tokens=40
+    )
+    text = plain.choices[0].message.content or ""
+    assert plain.usage is not None and plain.usage.completion_tokens_details is not None
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    predicted = client(node).chat.completions.create(
+        model=DEFAULT_MODEL_ID,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=40,
+        prediction={"type": "content", "content": text + " And that is all."},
+    )
+    assert predicted.choices[0].message.content == text
+    usage = predicted.usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    details = usage.completion_tokens_details
+    accepted, rejected = details.accepted_prediction_tokens, details.rejected_prediction_tokens
+    assert accepted is not None and rejected is not None
+    assert accepted >= usage.completion_tokens // 2  # most of the reply came from drafts
+    assert rejected >= 4  # at least " And that is all." was not taken
+    extra = details.model_extra or {}
+    assert extra["accepted_draft_tokens"] >= accepted
+    # Turned off for one request: nothing drafted, the same reply.
+    off = client(node).chat.completions.create(
+        model=DEFAULT_MODEL_ID,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=40,
+        prediction={"type": "content", "content": text},
+        extra_body={"speculation": False},
+    )
+    assert off.choices[0].message.content == text
+    assert off.usage is not None and off.usage.completion_tokens_details is not None
+    assert (off.usage.completion_tokens_details.model_extra or {})["drafted_tokens"] == 0
+
+
 def test_keepalive_comments_are_sent_while_prefill_runs(node: NodeProcess) -> None:
     long_prompt = "Summarize: " + " ".join(f"item {i} is blue." for i in range(150))
     lines: list[str] = []

@@ -83,6 +83,19 @@ def test_two_ranks_answer_like_one_and_a_killed_rank_is_replaced(
     await_ready(cluster)
     assert ask(a.base_url) == reference
     assert ask(b.base_url) == reference
+    # The ranks speculate: drafts from a predicted output, each verify step one
+    # forward around the ring, the same reply.
+    predicted = openai.OpenAI(base_url=f"{a.base_url}/v1", api_key="x", timeout=120)
+    reply = predicted.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=16,
+        prediction={"type": "content", "content": reference},
+    )
+    assert reply.choices[0].message.content == reference
+    assert reply.usage is not None and reply.usage.completion_tokens_details is not None
+    assert (reply.usage.completion_tokens_details.accepted_prediction_tokens or 0) > 0
 
     # Kill the last rank's runner mid-generation: the client hears of it within
     # 10 s, and the master places the model again.

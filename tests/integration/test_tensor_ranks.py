@@ -89,3 +89,21 @@ def _all_at_once(
     results = entry.collect_all([task_id for task_id, _, _ in tasks], 240)
     assert all(result.finished is not None for result in results), results
     return results
+
+
+def test_tensor_ranks_verify_drafts_on_rank_zeros_logits(smollm_dir: Path, tmp_path: Path) -> None:
+    """A predicted output drafts tokens; every rank verifies them on rank 0's
+    logits of every drafted position, and the reply is the whole model's."""
+    model_dir = make_tiny_model("llama", tmp_path / "llama", smollm_dir, n_layers=4)
+    tokenizer = load_model_tokenizer(model_dir)
+    prompt = turns(tokenizer)[0]
+    params = greedy(tokenizer).model_copy(update={"max_tokens": 24})
+    ((text, _),) = whole_replies(model_dir, [prompt], params)
+    prediction = tuple(tokenizer.encode(text, add_special_tokens=False))
+    predicted = params.model_copy(update={"prediction": prediction})
+    with running_pipeline(
+        model_dir, tmp_path, [0, 4], prefix_cache_bytes=0, tensor_ranks=2
+    ) as ranks:
+        reply, usage = ranks.entry.generate("predicted", prompt, predicted)
+    assert reply == text
+    assert usage.accepted_prediction_tokens > 0

@@ -18,6 +18,7 @@ from exo.engine.mlx.generate import Finished, LocalModel, TextDelta, TextGenerat
 from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache
 from exo.engine.mlx.sampling import SampledToken
+from exo.engine.speculation import SpeculationStats
 from exo.shared.types.tasks import GenerationParams
 from tests.batch_drain import drain
 
@@ -103,8 +104,9 @@ class FailingStream(TextStream):
         params: GenerationParams,
         prompt_tokens: int,
         cached_tokens: int,
+        speculation: SpeculationStats | None = None,
     ) -> None:
-        super().__init__(tokenizer, params, prompt_tokens, cached_tokens)
+        super().__init__(tokenizer, params, prompt_tokens, cached_tokens, speculation)
         self._fails = self.MARKER in params.stop
         self._fed = 0
 

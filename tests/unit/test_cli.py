@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from loguru import logger
 
 from exo.main import (
     DEFAULT_API_PORT,
@@ -44,6 +45,8 @@ def samples(flag: Flag) -> tuple[tuple[str, object], tuple[str, object]]:
     """Two values of `flag` other than its default, as typed and as parsed."""
     if flag.name == "--log-level":
         return ("debug", "DEBUG"), ("error", "ERROR")
+    if flag.name == "--speculation":
+        return ("none", "none"), ("Prompt-Lookup", "prompt-lookup")
     by_type: dict[object, tuple[tuple[str, object], tuple[str, object]]] = {
         int: (("7", 7), ("8", 8)),
         float: (("2.5", 2.5), ("3.5", 3.5)),
@@ -110,6 +113,56 @@ def test_exo_data_dir_is_one_models_dir_for_every_command(
         assert models_dir(parse_args(argv)) == tmp_path / "models"
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "on"),
+    [
+        ([], {}, True),
+        (["--speculation", "none"], {}, False),
+        ([], {"EXO_SPECULATION": "none"}, False),
+    ],
+)
+def test_speculation_is_on_unless_turned_off(
+    argv: list[str], env: dict[str, str], on: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXO_DATA_DIR", str(tmp_path))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert node_config(parse_args(argv)).speculation is on
+
+
+def test_the_ollama_port_is_off_unless_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXO_DATA_DIR", str(tmp_path))
+    assert node_config(parse_args([])).ollama_port is None
+    assert node_config(parse_args(["--ollama-port", "11434"])).ollama_port == 11434
+    monkeypatch.setenv("EXO_OLLAMA_PORT", "11435")
+    assert node_config(parse_args([])).ollama_port == 11435
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ollama-port", str(DEFAULT_API_PORT)], "--ollama-port must differ from --api-port"),
+        (["--ollama-port", "70000"], "--ollama-port must be a port number"),
+        (["--ollama-port", "11434", "--no-api"], "which --no-api turns off"),
+    ],
+)
+def test_a_bad_ollama_port_exits_2_with_a_sentence(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXO_DATA_DIR", str(tmp_path))
+    logged: list[str] = []
+    sink = logger.add(logged.append, level="ERROR")
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            node_config(parse_args(argv))
+    finally:
+        logger.remove(sink)
+    assert exit_info.value.code == 2
+    assert message in "".join(logged)
+
+
 def test_import_gguf_lands_where_the_node_looks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -172,6 +225,12 @@ def test_an_empty_env_var_counts_as_unset(monkeypatch: pytest.MonkeyPatch) -> No
         ([], {"EXO_API_PORT": "x"}, "EXO_API_PORT='x': not a valid --api-port value"),
         ([], {"EXO_LOG_LEVEL": "loud"}, "EXO_LOG_LEVEL='loud': 'loud' is not one of TRACE"),
         ([], {"EXO_NO_API": "maybe"}, "EXO_NO_API='maybe': use 1, true, yes or on"),
+        (["--speculation", "eagle"], {}, "'eagle' is not one of prompt-lookup, none"),
+        (
+            [],
+            {"EXO_SPECULATION": "eagle"},
+            "EXO_SPECULATION='eagle': 'eagle' is not one of prompt-lookup, none",
+        ),
         (["bogus"], {}, "invalid choice: 'bogus'"),
         (["--bogus"], {}, "unrecognized arguments: --bogus"),
         ([*COMMANDS["download"], "--api-port", "1"], {}, "unrecognized arguments: --api-port"),

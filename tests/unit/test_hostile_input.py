@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from exo.api.anthropic_types import CountTokensRequest, MessagesRequest
 from exo.api.errors import install_error_handlers
+from exo.api.ollama_types import OllamaChatRequest, OllamaGenerateRequest
 from exo.api.openai_types import ChatCompletionRequest, CompletionRequest
 from exo.api.request_fields import MAX_JSON_DEPTH, sound_json_problem
 from exo.api.responses_types import ResponsesRequest
@@ -25,6 +26,8 @@ BODIES: dict[str, dict[str, Any]] = {
     "/v1/messages": {"model": "m", "max_tokens": 4, "messages": [USER]},
     "/v1/messages/count_tokens": {"model": "m", "messages": [USER]},
     "/v1/responses": {"model": "m", "input": "Hi"},
+    "/api/chat": {"model": "m", "messages": [USER]},
+    "/api/generate": {"model": "m", "prompt": "Hi"},
 }
 OK = {"ok": "yes"}
 
@@ -55,6 +58,14 @@ def client() -> TestClient:
     async def responses(body: ResponsesRequest) -> dict[str, str]:  # pyright: ignore[reportUnusedFunction]
         return OK
 
+    @app.post("/api/chat")
+    async def ollama_chat(body: OllamaChatRequest) -> dict[str, str]:  # pyright: ignore[reportUnusedFunction]
+        return OK
+
+    @app.post("/api/generate")
+    async def ollama_generate(body: OllamaGenerateRequest) -> dict[str, str]:  # pyright: ignore[reportUnusedFunction]
+        return OK
+
     return TestClient(app)
 
 
@@ -69,6 +80,9 @@ def post(client: TestClient, path: str, text: str) -> dict[str, Any]:
     response = client.post(path, content=text, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     body = response.json()
+    if path.startswith("/api/"):
+        assert list(body) == ["error"]
+        return {"message": body["error"]}
     if path.startswith("/v1/messages"):
         assert body["type"] == "error"
         assert body["error"]["type"] == "invalid_request_error"
@@ -85,7 +99,9 @@ def with_lone_surrogate(path: str) -> str:
 def test_a_lone_surrogate_in_a_message_is_refused(client: TestClient, path: str) -> None:
     error = post(client, path, with_lone_surrogate(path))
     assert "lone surrogate" in error["message"]
-    where = {"/v1/completions": "prompt", "/v1/responses": "input"}.get(path, "messages.0.content")
+    where = {"/v1/completions": "prompt", "/v1/responses": "input", "/api/generate": "prompt"}.get(
+        path, "messages.0.content"
+    )
     assert error["message"].startswith(f"{where}: ")
 
 
@@ -149,6 +165,7 @@ def test_nesting_deeper_than_the_bound_is_refused(
         ("/v1/chat/completions", '"temperature": 1e400'),  # decodes as infinity
         ("/v1/messages", '"temperature": NaN'),
         ("/v1/responses", '"top_p": Infinity'),
+        ("/api/chat", '"options": {"temperature": NaN}'),
     ],
 )
 def test_numbers_json_does_not_have_are_refused(client: TestClient, path: str, fields: str) -> None:

@@ -118,7 +118,13 @@ REJECTED_CHAT: list[tuple[dict[str, Any], str, str]] = [
     ({"n": 2}, "n", "n must be 1"),
     ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio", "not supported"),
     ({"modalities": ["text", "audio"]}, "modalities", "text only"),
-    ({"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+    ({"prediction": {"type": "audio", "content": "x"}}, "prediction", "type 'audio'"),
+    ({"prediction": "x"}, "prediction", "valid dictionary"),
+    (
+        {"prediction": {"type": "content", "content": [{"type": "image_url", "image_url": {}}]}},
+        "prediction.content",
+        "'image_url' content parts are not supported",
+    ),
     ({"web_search_options": {}}, "web_search_options", "not supported"),
     ({"moderation": {"model": "omni-moderation-latest"}}, "moderation", "not supported"),
     ({"functions": [{"name": "f"}]}, "functions", "send tools"),
@@ -335,6 +341,18 @@ TRANSLATIONS: list[tuple[dict[str, Any], ChatRequest]] = [
         expected(stream=True, include_usage=True),
     ),
     ({"stream_options": {"include_usage": True}}, DEFAULT),  # usage chunks need a stream
+    ({"speculation": False}, expected(speculation=False)),
+    ({"speculation": True}, DEFAULT),
+    ({"prediction": {"type": "content", "content": "x = 1"}}, expected(prediction="x = 1")),
+    (
+        {
+            "prediction": {
+                "type": "content",
+                "content": [{"type": "text", "text": "x = "}, {"type": "text", "text": "1"}],
+            }
+        },
+        expected(prediction="x = 1"),
+    ),
 ]
 
 

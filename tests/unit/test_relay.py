@@ -19,8 +19,10 @@ from exo.shared.types.ids import ModelId
 from tests.e2e.node_process import free_port
 
 READ_TIMEOUT = 0.3
-Behaviour = Literal["refuses", "frozen", "silent_mid_stream", "busy"]
+Behaviour = Literal["refuses", "frozen", "silent_mid_stream", "silent_mid_line", "busy"]
 FIRST_EVENT = b'data: {"choices": []}\n\n'
+# An Ollama stream's first line, and half of its second.
+FIRST_LINE, HALF_LINE = b'{"done": false}\n', b'{"message": {"cont'
 BUSY_BODY = json.dumps({"error": {"message": "busy", "type": "server_error"}}).encode()
 
 
@@ -42,6 +44,11 @@ async def _play(behaviour: Behaviour, client: SocketStream) -> None:
             await client.send(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                 b"transfer-encoding: chunked\r\n\r\n" + _chunk(FIRST_EVENT)
+            )
+        if behaviour == "silent_mid_line":
+            await client.send(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+                b"transfer-encoding: chunked\r\n\r\n" + _chunk(FIRST_LINE + HALF_LINE)
             )
         await anyio.sleep_forever()
 
@@ -67,6 +74,7 @@ def relaying_app(address: str) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     @app.post("/v1/messages")
+    @app.post("/api/chat")
     async def forward(request: Request) -> Response:
         return await relay(target, request)
 
@@ -83,6 +91,8 @@ def relaying_app(address: str) -> FastAPI:
         ("silent_mid_stream", "/v1/chat/completions", 200, '"code": "relay_timeout"', 2.0),
         ("silent_mid_stream", "/v1/messages", 200, "event: error", 2.0),
         ("busy", "/v1/chat/completions", 429, '"message": "busy"', 1.0),
+        ("frozen", "/api/chat", 504, '{"error": "the node serving m', 2 * READ_TIMEOUT + 1),
+        ("silent_mid_line", "/api/chat", 200, '{"error": "the node serving m', 2.0),
     ],
 )
 async def test_relay_outcomes(
@@ -99,5 +109,11 @@ async def test_relay_outcomes(
     assert elapsed < within
     if behaviour == "silent_mid_stream":
         assert response.content.startswith(FIRST_EVENT)
+    if behaviour == "silent_mid_line":
+        # The half line is ended, and the error is a line of its own (no blank line).
+        first, half, error = response.content.split(b"\n")[:3]
+        assert (first + b"\n", half) == (FIRST_LINE, HALF_LINE)
+        assert "stopped answering" in json.loads(error)["error"]
+        assert response.content.endswith(b"}\n")
     if behaviour == "busy":
         assert response.headers["retry-after"] == "7"

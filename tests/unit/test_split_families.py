@@ -83,3 +83,25 @@ def test_every_family_splits_into_ranks_that_reply_as_the_whole_model(
     alone = run_pipeline(model_dir, [0, 3, 6], requests, cache_bytes=0)
     together = run_pipeline(model_dir, [0, 3, 6], requests, cache_bytes=0, together=True)
     assert [text for text, _ in together.replies] == [text for text, _ in alone.replies]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_pipeline_ranks_verify_drafts_in_one_forward_around_the_ring(
+    family: str, smollm_dir: Path, tmp_path: Path
+) -> None:
+    """A predicted output drafts tokens; each verify step travels the ring as one
+    forward, the last rank sends the accepted tokens round, and the reply is the
+    whole model's."""
+    model_dir = make_tiny_model(family, tmp_path / family, smollm_dir, n_layers=6)
+    tokenizer = load_model_tokenizer(model_dir)
+    prompt = turns(tokenizer)[0]
+    params = greedy(tokenizer).model_copy(update={"max_tokens": 24})
+    ((text, _),) = whole_replies(model_dir, [prompt], params)
+    predicted = params.model_copy(
+        update={"prediction": tuple(tokenizer.encode(text, add_special_tokens=False))}
+    )
+    run = run_pipeline(model_dir, [0, 3, 6], [(prompt, predicted)] * 2, together=True)
+    for reply, usage in run.replies:
+        assert reply == text
+        assert usage.accepted_draft_tokens > 0
+        assert usage.accepted_prediction_tokens == usage.accepted_draft_tokens

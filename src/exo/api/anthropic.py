@@ -262,6 +262,7 @@ def to_chat_request(body: MessagesRequest) -> ChatRequest:
         stop=tuple(stop for stop in body.stop_sequences or () if stop),
         sampling=Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k),
         stream=bool(body.stream),
+        speculation=body.speculation is not False,
     )
 
 

@@ -377,6 +377,8 @@ class MessagesRequest(MessagesRequestBase):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: TopP | None = None
     top_k: int | None = Field(default=None, ge=0)  # 0: all tokens
+    # exo's extension: false turns speculative decoding's drafts off for this request.
+    speculation: bool | None = None
     # rejected when set (REJECTED_MESSAGES_FIELDS)
     container: Any = None
     thread: Any = None
@@ -417,6 +419,7 @@ HONOURED_MESSAGES_FIELDS = frozenset(
         "temperature",
         "top_p",
         "top_k",
+        "speculation",
     }
 )
 

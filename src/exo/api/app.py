@@ -1,5 +1,5 @@
-"""The HTTP API of a node: the OpenAI, Anthropic and Responses generation routes,
-instances and placement, the cluster's state and events, and the dashboard."""
+"""The HTTP API of a node: the OpenAI, Anthropic, Responses and Ollama generation
+routes, instances and placement, the cluster's state and events, and the dashboard."""
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -21,6 +21,7 @@ from exo.api.errors import install_error_handlers, invalid
 from exo.api.instances import instance_routes
 from exo.api.metrics import MetricsMiddleware, ServingMetrics
 from exo.api.model_alias import ModelAlias
+from exo.api.ollama_routes import ollama_routes
 from exo.api.openai_routes import openai_routes
 from exo.api.responses_routes import responses_routes
 from exo.api.serving import ModelRouter, relay_read_timeout
@@ -66,6 +67,7 @@ def create_app(
     app.include_router(responses_routes(router, keepalive_seconds))
 
     hub = HubSource() if hub_enabled() else None
+    app.include_router(ollama_routes(router, hub, keepalive_seconds))
     app.include_router(instance_routes(cluster, hub, delete_model_files))
 
     app.include_router(dashboard_routes())

@@ -1,5 +1,5 @@
 """Error responses in the format of the API a route belongs to: Anthropic's for
-`/v1/messages…`, OpenAI's everywhere else."""
+`/v1/messages…`, Ollama's for `/api/…`, OpenAI's everywhere else."""
 
 import json
 import uuid
@@ -56,6 +56,7 @@ _ANTHROPIC_ERROR_TYPES = {
 }
 ANTHROPIC_PATH_PREFIX = "/v1/messages"
 RESPONSES_PATH_PREFIX = "/v1/responses"
+OLLAMA_PATH_PREFIX = "/api/"
 
 
 def anthropic_error_type(status: int) -> str:
@@ -69,16 +70,24 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
 
 
+def ollama_error_body(message: str) -> dict[str, Any]:
+    """An Ollama error: the body of a failed response, or a stream's last line."""
+    return {"error": message}
+
+
 def _response(
     request: Request,
     status: int,
     openai_body: dict[str, Any],
     headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
-    if request.url.path.startswith(ANTHROPIC_PATH_PREFIX):
-        message = openai_body["error"]["message"]
+    path = request.url.path
+    message = openai_body["error"]["message"]
+    if path.startswith(ANTHROPIC_PATH_PREFIX):
         body = anthropic_error_body(status, message)
         return JSONResponse(body, status_code=status, headers=headers)
+    if path.startswith(OLLAMA_PATH_PREFIX):
+        return JSONResponse(ollama_error_body(message), status_code=status, headers=headers)
     return JSONResponse(openai_body, status_code=status, headers=headers)
 
 
@@ -88,8 +97,10 @@ def error_response(request: Request, error: APIError) -> JSONResponse:
 
 
 def stream_error_event(path: str, error: APIError) -> str:
-    """`error` as the SSE event that ends a stream of the API at `path` (its
-    status was sent already)."""
+    """`error` as the SSE event (the NDJSON line, for Ollama's) that ends a
+    stream of the API at `path` (its status was sent already)."""
+    if path.startswith(OLLAMA_PATH_PREFIX):
+        return json.dumps(ollama_error_body(error.message)) + "\n"
     if path.startswith(ANTHROPIC_PATH_PREFIX):
         payload = anthropic_error_body(error.status, error.message)
         return f"event: error\ndata: {json.dumps(payload)}\n\n"

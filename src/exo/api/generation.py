@@ -56,7 +56,7 @@ from exo.shared.types.chat import (
 )
 from exo.shared.types.constraints import Constraint, JsonObject, JsonSchema, ToolCalls, ToolSpec
 from exo.shared.types.ids import new_task_id
-from exo.shared.types.tasks import GenerationParams, SampledLogprobs
+from exo.shared.types.tasks import REPETITION_CONTEXT_SIZE, GenerationParams, SampledLogprobs
 from exo.worker.runner.protocol import Generate, TaskFailed, TaskFinished, TaskMessage, TaskText
 from exo.worker.runner.supervisor import RunnerUnavailable
 from exo.worker.served_model import ServedModel
@@ -185,14 +185,32 @@ def check_vocabulary(tokens: Iterable[int], vocabulary: int, param: str) -> None
             )
 
 
+def prediction_tokens(model: ServedModel, text: str) -> tuple[int, ...]:
+    """A predicted output's tokens (speculative decoding drafts from them), or a
+    400 when it is longer than the context: by its size alone before tokenizing
+    (as `check_prompt_size`), else by its tokens."""
+    if math.ceil(len(text.encode()) / model.max_token_bytes) <= model.context_length:
+        tokens = tuple(model.tokenizer.encode(text, add_special_tokens=False))
+        if len(tokens) <= model.context_length:
+            check_vocabulary(tokens, model.vocabulary_size, "prediction")
+            return tokens
+    raise invalid(
+        f"prediction: longer than this model's context length ({model.context_length} tokens)",
+        "prediction",
+    )
+
+
 def generation_params(
     model: ServedModel, request: ChatRequest, prompt_tokens: int, constraint: Constraint | None
 ) -> GenerationParams:
+    """The runner's params for `request` (or a 4xx); tokenizes its prediction,
+    so it runs off the event loop."""
     room = model.context_length - prompt_tokens
     if room <= 0:
         raise _context_exceeded(model, f"Your messages resulted in {prompt_tokens} tokens.")
     sampling, defaults = request.sampling, model.sampling_defaults
     check_vocabulary(sampling.logit_bias, model.vocabulary_size, "logit_bias")
+    prediction = prediction_tokens(model, request.prediction) if request.prediction else ()
 
     return GenerationParams(
         # Asked for more than the context leaves (agents ask for 32k-128k): clamped.
@@ -204,6 +222,7 @@ def generation_params(
         repetition_penalty=defaults.repetition_penalty
         if sampling.repetition_penalty is None
         else sampling.repetition_penalty,
+        repetition_context_size=sampling.repetition_context_size or REPETITION_CONTEXT_SIZE,
         presence_penalty=sampling.presence_penalty or 0.0,
         frequency_penalty=sampling.frequency_penalty or 0.0,
         logit_bias=sampling.logit_bias,
@@ -212,6 +231,8 @@ def generation_params(
         seed=sampling.seed,
         stop=request.stop,
         constraint=constraint,
+        speculation=request.speculation,
+        prediction=prediction,
     )
 
 
@@ -405,7 +426,9 @@ async def prepare_reply(
         if not prompt.tokens:  # e.g. a text prompt of characters the tokenizer drops
             raise invalid("the prompt has no tokens", "prompt" if request.prompt else "messages")
         check_vocabulary(prompt.tokens, model.vocabulary_size, "prompt")
-        params = generation_params(model, request, len(prompt.tokens), constraint)
+        params = await anyio.to_thread.run_sync(
+            generation_params, model, request, len(prompt.tokens), constraint
+        )
         if constraint is not None:
             await anyio.to_thread.run_sync(_check_constraint, constraint)
     except BaseException:

@@ -39,6 +39,13 @@ API_ROUTES: dict[str, str] = {
     "/v1/messages": "anthropic",
     "/v1/messages/count_tokens": "anthropic",
     "/v1/models": "openai",
+    "/api/chat": "ollama",
+    "/api/generate": "ollama",
+    "/api/tags": "ollama",
+    "/api/show": "ollama",
+    "/api/ps": "ollama",
+    "/api/version": "ollama",
+    "/api/pull": "ollama",
 }
 # From a cached one-token reply to a long prefill on a large model.
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -159,6 +166,8 @@ class GenerationObserver:
         m.prompt_tokens.labels(model).inc(usage.prompt_tokens)
         m.generated_tokens.labels(model).inc(usage.completion_tokens)
         m.cached_tokens.labels(model).inc(usage.cached_tokens)
+        m.drafted_tokens.labels(model).inc(usage.drafted_tokens)
+        m.accepted_draft_tokens.labels(model).inc(usage.accepted_draft_tokens)
 
     def ended_early(self, reason: Literal["error", "cancelled"]) -> None:
         """It failed, or its client went away."""
@@ -198,6 +207,14 @@ class ServingMetrics:
         )
         self.cached_tokens = Counter(
             "exo_cached_tokens", "Prompt tokens reused from the prefix cache", ["model"],
+            registry=r,
+        )  # fmt: skip
+        self.drafted_tokens = Counter(
+            "exo_drafted_tokens", "Draft tokens speculative decoding checked", ["model"],
+            registry=r,
+        )  # fmt: skip
+        self.accepted_draft_tokens = Counter(
+            "exo_accepted_draft_tokens", "Draft tokens the model accepted", ["model"],
             registry=r,
         )  # fmt: skip
         r.register(_ScrapedState(models, cluster, admission))

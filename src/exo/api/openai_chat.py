@@ -53,7 +53,11 @@ def completion_usage(finished: ReplyFinished) -> CompletionUsage:
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
         completion_tokens_details=CompletionTokensDetails(
-            reasoning_tokens=finished.reasoning_tokens
+            reasoning_tokens=finished.reasoning_tokens,
+            accepted_prediction_tokens=usage.accepted_prediction_tokens,
+            rejected_prediction_tokens=usage.rejected_prediction_tokens,
+            drafted_tokens=usage.drafted_tokens,
+            accepted_draft_tokens=usage.accepted_draft_tokens,
         ),
     )
 

@@ -135,6 +135,8 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
         reasoning_effort=body.reasoning_effort,
         stream=bool(body.stream),
         include_usage=body.include_usage(),
+        speculation=body.speculation is not False,
+        prediction=body.prediction.text() if body.prediction is not None else None,
     )
 
 
@@ -156,4 +158,5 @@ def completion_to_chat_request(body: CompletionRequest) -> ChatRequest:
         top_logprobs=body.logprobs or 0,
         stream=bool(body.stream),
         include_usage=body.include_usage(),
+        speculation=body.speculation is not False,
     )

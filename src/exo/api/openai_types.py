@@ -246,6 +246,8 @@ class CommonRequestFields(RequestBody):
     stop: str | list[str] | None = None
     n: int | None = None
     user: str | None = None  # ignored
+    # exo's extension: false turns speculative decoding's drafts off for this request.
+    speculation: bool | None = None
 
     @field_validator("n")
     @classmethod
@@ -285,9 +287,31 @@ class CommonRequestFields(RequestBody):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+class PredictionTextPart(FrozenModel):
+    type: Literal["text"]
+    text: str
+
+
+class PredictionParam(FrozenModel):
+    """OpenAI's predicted output: text the reply is expected to repeat, which
+    speculative decoding drafts from."""
+
+    type: Literal["content"]
+    content: str | list[PredictionTextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, content: Any) -> Any:
+        return _only_text_parts(content, ("text",))
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 REJECTED_CHAT_FIELDS: dict[str, str] = {
     "audio": "audio output is not supported",
-    "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
     "moderation": "moderation is not supported",
     "functions": "the deprecated functions is not supported: send tools",
@@ -330,9 +354,9 @@ class ChatCompletionRequest(CommonRequestFields):
     # Extra variables of the model's chat template (vLLM's name), e.g. enable_thinking.
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: ReasoningEffort | None = None
+    prediction: PredictionParam | None = None
     # rejected when set (REJECTED_CHAT_FIELDS)
     audio: Any = None
-    prediction: Any = None
     web_search_options: Any = None
     moderation: Any = None
     functions: Any = None
@@ -360,6 +384,16 @@ class ChatCompletionRequest(CommonRequestFields):
         if value is not None:
             raise unsupported(REJECTED_CHAT_FIELDS[info.field_name or ""])
         return value
+
+    @field_validator("prediction", mode="before")
+    @classmethod
+    def _content_prediction(cls, prediction: Any) -> Any:
+        if isinstance(prediction, dict) and prediction.get("type") != "content":  # pyright: ignore[reportUnknownMemberType]
+            raise unsupported(
+                f"prediction type {prediction.get('type')!r} is not supported: "  # pyright: ignore[reportUnknownMemberType]
+                'send {"type": "content", "content": the predicted text}'
+            )
+        return prediction
 
     @field_validator("modalities")
     @classmethod
@@ -446,6 +480,8 @@ HONOURED_CHAT_FIELDS = frozenset(
         "response_format",
         "chat_template_kwargs",
         "reasoning_effort",
+        "prediction",
+        "speculation",
     }
 )
 
@@ -459,6 +495,12 @@ class PromptTokensDetails(BaseModel):
 
 class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int  # of completion_tokens, those the model spent thinking
+    # Of the prediction's tokens, those the reply took from it and the rest.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    # exo's: speculative decoding's draft tokens checked, and of them those accepted.
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 class CompletionUsage(BaseModel):
@@ -620,7 +662,8 @@ class CompletionRequest(CommonRequestFields):
         return best_of
 
 
-# Honoured: all but these; `n`/`best_of` only as 1, `echo` only false, `suffix` only empty.
+# Honoured (`speculation` too): all but these; `n`/`best_of` only as 1, `echo` only
+# false, `suffix` only empty.
 IGNORED_COMPLETION_FIELDS: dict[str, str] = {"user": NO_END_USERS}
 
 

@@ -165,6 +165,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatRequest:
         sampling=Sampling(temperature=body.temperature, top_p=body.top_p),
         reasoning_effort=body.reasoning.effort if body.reasoning else None,
         stream=bool(body.stream),
+        speculation=body.speculation is not False,
     )
 
 

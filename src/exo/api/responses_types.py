@@ -273,6 +273,8 @@ class ResponsesRequest(RequestBody):
     reasoning: ReasoningConfig | None = None
     stream: bool | None = None
     truncation: Literal["disabled"] | None = None  # "auto" would drop turns: not supported
+    # exo's extension: false turns speculative decoding's drafts off for this request.
+    speculation: bool | None = None
     # rejected when set (REJECTED_RESPONSES_FIELDS)
     previous_response_id: str | None = None
     conversation: Any = None
@@ -386,5 +388,6 @@ HONOURED_RESPONSES_FIELDS = frozenset(
         "reasoning",
         "stream",
         "truncation",
+        "speculation",
     }
 )

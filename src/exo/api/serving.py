@@ -4,7 +4,7 @@ that serves the model. Shared by every API's routes."""
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import anyio
 import httpx
@@ -179,12 +179,22 @@ async def _answer_head(
     raise failure
 
 
+# A streamed answer: SSE, or NDJSON (Ollama's).
+StreamFormat = Literal["sse", "ndjson"]
+NDJSON_MEDIA_TYPE = "application/x-ndjson"
+STREAM_MEDIA_TYPES: dict[str, StreamFormat] = {
+    "text/event-stream": "sse",
+    NDJSON_MEDIA_TYPE: "ndjson",
+}
+
+
 async def _relayed_body(
-    upstream: httpx.Response, target: Relay, path: str, sse: bool
+    upstream: httpx.Response, target: Relay, path: str, stream: StreamFormat | None
 ) -> AsyncIterator[bytes]:
     """The serving node's body as it comes; a node that goes silent or fails
     mid-stream ends the stream with an error event in the API's format."""
     chunks = upstream.aiter_raw()
+    last = b"\n"
     while True:
         try:
             with anyio.fail_after(target.read_timeout_seconds):
@@ -196,11 +206,17 @@ async def _relayed_body(
                 else _relay_failed(target, error)
             )
             logger.warning(f"relay ended: {failure.message}")
-            if sse:  # a blank line first ends an event the node left half sent
+            # First end what the node left half sent: an event with a blank
+            # line, a line with its end (NDJSON has no blank lines).
+            if stream == "sse":
                 yield ("\n\n" + stream_error_event(path, failure)).encode()
+            elif stream == "ndjson":
+                separator = "" if last.endswith(b"\n") else "\n"
+                yield (separator + stream_error_event(path, failure)).encode()
             return
         if chunk is None:
             return
+        last = chunk or last
         yield chunk
 
 
@@ -239,7 +255,7 @@ async def relay(target: Relay, request: Request) -> StreamingResponse:
             upstream,
             target,
             request.url.path,
-            sse=(media_type or "").startswith("text/event-stream"),
+            STREAM_MEDIA_TYPES.get((media_type or "").split(";")[0].strip()),
         ),
         status_code=upstream.status_code,
         headers={
@@ -280,3 +296,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     """A streamed answer: server-sent events, neither cached nor buffered on the way."""
     return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def ndjson_response(lines: AsyncIterator[str]) -> StreamingResponse:
+    """A streamed answer as Ollama's: one JSON object per line, neither cached
+    nor buffered on the way."""
+    return StreamingResponse(lines, media_type=NDJSON_MEDIA_TYPE, headers=SSE_HEADERS)

@@ -85,6 +85,7 @@ class Worker:
         stale: frozenset[InstanceId] = frozenset(),
         prefix_cache_disk_bytes: int = 0,
         disk_space: DiskSpace | None = None,
+        speculation: bool = True,
     ) -> None:
         self.link = link
         # Every download of this node reserves its space here (a floor stays free).
@@ -93,6 +94,7 @@ class Worker:
         self.cache_dir = cache_dir
         self.prefix_cache_bytes = prefix_cache_bytes
         self.prefix_cache_disk_bytes = prefix_cache_disk_bytes
+        self.speculation = speculation
         self.secret = secret
         self.on_ready = on_ready
         self.stale = stale
@@ -392,6 +394,7 @@ class Worker:
             self.prefix_cache_bytes,
             self.cache_dir,
             prefix_cache_disk_bytes=self.prefix_cache_disk_bytes,
+            speculation=self.speculation,
             on_status=lambda status, error: self._runner_status(running, rank, status, error),
             standby=self._take_standby,
         )

@@ -42,6 +42,15 @@ its last token's KV in the cache, so the stored reply keeps its end-of-turn
 token. A batch of up to the model's `eager_rows` is the exception: its tokens
 are read back in the step that drew them (`LocalModel.eager_rows` says why and
 what becomes of a reply's last token).
+
+Speculative decoding (`engine/speculation.py`): a request may draft the tokens
+it will likely write next (from its prompt, or the predicted output it was sent
+with). A decode step where a draft is worth its cost (`verify_width`) is a
+verify step: every row feeds its next input and its draft in one forward pass,
+its `SamplingStep` accepts a prefix of the draft and draws one more token, and
+the batch cache is cut back to what each row kept. Such a step reads its
+tokens back within it, as the next drafts depend on them. Only models whose
+caches can be cut back per row speculate (`can_speculate`).
 """
 
 from collections import deque
@@ -50,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from exo.engine.mlx.generate import (
     DECODE_STREAM,
@@ -59,7 +69,8 @@ from exo.engine.mlx.generate import (
     TextStream,
 )
 from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, needs_checkpoints
-from exo.engine.mlx.sampling import PendingToken, SamplingStep, greedy_rows
+from exo.engine.mlx.sampling import PendingToken, SampledToken, SamplingStep, greedy_rows
+from exo.engine.speculation import Draft, Drafter, verify_width
 from exo.shared.types.tasks import GenerationParams
 
 # How many requests decode together at most (the node's admission control
@@ -116,6 +127,14 @@ def prompts_read_together(layers: Sequence[LayerCache]) -> bool:
     return not needs_checkpoints(layers)
 
 
+def can_speculate(layers: Sequence[LayerCache]) -> bool:
+    """Whether a model with these caches (all its layers') verifies drafts: each
+    row's refused draft tokens must be cut from the batch cache, which mlx-lm's
+    `BatchKVCache` can do (`ContinuousBatcher._verify`); rotating, quantized and
+    state-keeping caches cannot."""
+    return all(type(layer) is KVCache for layer in layers)
+
+
 def can_batch(layers: Sequence[LayerCache]) -> bool:
     """Whether every layer's cache has a batched form (mlx-lm's `merge`)."""
     return all(callable(getattr(layer, "merge", None)) for layer in layers)
@@ -138,6 +157,7 @@ class _Request:
     # by the last step (queued, not read back yet).
     input: mx.array | None = None
     pending: PendingToken | None = None
+    drafter: Drafter | None = None  # speculative decoding on
 
 
 class ContinuousBatcher:
@@ -148,17 +168,24 @@ class ContinuousBatcher:
         generator: TextGenerator,
         max_batch: int = MAX_BATCH,
         prompts_together: bool = True,
+        speculate: bool = False,
     ) -> None:
         """`prompts_together`: short prompts may be read in one forward pass,
         right-padded. Not for models whose caches keep a state (SSM, linear
         attention): whether padding is kept out of it is each mlx-lm model's to
         get right, and not all do (mlx-lm 0.32.2's nemotron_h Mamba layers take
         the state at the last, padded, position). A split instance's ranks
-        decide it alike, from the whole model's caches (`prompts_read_together`)."""
+        decide it alike, from the whole model's caches (`prompts_read_together`).
+
+        `speculate`: requests that ask for it (`params.speculation`) decode with
+        drafts (`engine/speculation.py`), verified in the batch's steps; only
+        for models whose caches allow it (`can_speculate`, of the whole model's
+        caches on every rank of a split instance)."""
         self._generator = generator
         self._model = generator.forward
         self.max_batch = max_batch
         self._prompts_together = prompts_together
+        self._speculate = speculate
         self._reading: deque[_Request] = deque()
         self._chunks: dict[str, Iterator[int]] = {}  # prefill, by task id
         self._rows: list[_Request] = []
@@ -187,16 +214,26 @@ class ContinuousBatcher:
         nothing) when the request is invalid, e.g. an uncompilable constraint."""
         generator = self._generator
         match, layers = generator.start(tokens, params)
+        drafter = (
+            Drafter(tokens, params.prediction) if self._speculate and params.speculation else None
+        )
         request = _Request(
             task_id=task_id,
             tokens=tokens,
             params=params,
             layers=layers,
             sampling=self._model.sampling_for(params, tokens),
-            stream=TextStream(generator.tokenizer, params, len(tokens), match.usable),
+            stream=TextStream(
+                generator.tokenizer,
+                params,
+                len(tokens),
+                match.usable,
+                drafter.stats if drafter is not None else None,
+            ),
             checkpoints=generator.prefix_cache is not None
             and generator.prefix_cache.needs_checkpoints(layers),
             read=match.usable,
+            drafter=drafter,
         )
         self._chunks[task_id] = generator.prefill_chunks(
             tokens[:-1],
@@ -365,6 +402,14 @@ class ContinuousBatcher:
             self._leave(failed)
         if not self._rows:
             return
+        drafting = {row for row in self._rows if row.drafter and row.drafter.wants_draft()}
+        if drafting:
+            drafts = self._drafts(drafting, outputs)
+            if any(drafts):
+                self._verify(drafts, outputs)
+                return
+            if not self._rows:
+                return
         rows = self._rows
         inputs = mx.concatenate([row.input for row in rows if row.input is not None])
         with mx.stream(DECODE_STREAM):
@@ -392,6 +437,98 @@ class ContinuousBatcher:
             failed |= self._read_back(fresh, outputs)
         self._leave({row for row in rows if row.stream.finished and row not in failed}, outputs)
         self._leave(failed)
+
+    def _drafts(self, drafting: set[_Request], outputs: Outputs) -> list[Draft | None]:
+        """Each row's draft for this step, if it is `drafting`: by the tokens it
+        has drawn, so queued tokens are read back first (losing the overlap of a
+        step computed ahead), and rows they end leave."""
+        queued = [row for row in self._rows if row.pending is not None]
+        if queued:
+            failed = self._read_back(queued, outputs)
+            self._leave(
+                {row for row in queued if row.stream.finished and row not in failed}, outputs
+            )
+            self._leave(failed)
+        drafts: list[Draft | None] = []
+        expected: list[tuple[int, float]] = []  # (length, acceptance) per row
+        for row in self._rows:
+            # Never past `max_tokens`: the draft and the token after it fit.
+            room = row.params.max_tokens - len(row.generated) - 1
+            drafter = row.drafter if row in drafting else None
+            draft = drafter.draft(row.generated, room) if drafter is not None else None
+            drafts.append(draft)
+            expected.append(
+                (len(draft.tokens), drafter.acceptance) if draft and drafter else (0, 0)
+            )
+        width = verify_width(expected)
+        return [
+            Draft(draft.tokens[: width - 1], draft.predicted) if draft and width > 1 else None
+            for draft in drafts
+        ]
+
+    def _verify(self, drafts: list[Draft | None], outputs: Outputs) -> None:
+        """One decode step that checks the rows' drafts: each row feeds its next
+        input and its draft (padded to the longest) in one forward pass, and
+        `SamplingStep.verify` takes the draft tokens the model agrees with and
+        one more. Every row's tokens are read back within the step (the next
+        drafts depend on them). Each row's cache then keeps exactly the tokens
+        it fed that its reply kept, as a plain step's would: the batch cache is
+        cut back by the fewest refused positions, and each row's further ones
+        are rolled into its left padding (mlx-lm's `BatchKVCache.finalize`)."""
+        rows = self._rows
+        width = 1 + max(len(draft.tokens) if draft else 0 for draft in drafts)
+        inputs = []
+        for row, draft in zip(rows, drafts, strict=True):
+            fed = [row.generated[-1] if row.generated else row.tokens[-1]]
+            fed += draft.tokens if draft else ()
+            inputs.append(fed + [0] * (width - len(fed)))
+        with mx.stream(DECODE_STREAM):
+            logits = self._model.model(mx.array(inputs), cache=self._cache)
+        kept: list[int] = []
+        failed = set[_Request]()
+        for index, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
+            drafted = draft.tokens if draft else ()
+            try:
+                tokens = self._verify_row(row, logits[index, : len(drafted) + 1], drafted)
+            except Exception as error:
+                outputs.append((row.task_id, GenerationFailed(error)))
+                failed.add(row)
+                kept.append(width)
+                continue
+            if draft is not None and row.drafter is not None:
+                row.drafter.record(draft, len(tokens) - 1)
+            fed = 0
+            for token in tokens:
+                if draft is not None and row.drafter is not None and fed < len(tokens) - 1:
+                    row.drafter.stats.took(draft)  # before `feed`: its usage may end the reply
+                row.generated.append(token.token)
+                fed += 1
+                try:
+                    outputs.extend((row.task_id, output) for output in row.stream.feed(token))
+                except Exception as error:
+                    outputs.append((row.task_id, GenerationFailed(error)))
+                    failed.add(row)
+                    break
+                if row.stream.finished:
+                    break
+            row.input = mx.array(row.generated[-1:], dtype=mx.int32)
+            kept.append(fed)
+        refused = [width - n for n in kept]
+        fewest = min(refused)
+        for layer in self._cache:
+            if fewest:
+                layer.trim(fewest)
+            if any(n > fewest for n in refused):
+                layer.prepare(right_padding=[n - fewest for n in refused])
+                layer.finalize()
+        self._leave({row for row in rows if row.stream.finished and row not in failed}, outputs)
+        self._leave(failed)
+
+    @staticmethod
+    def _verify_row(row: _Request, logits: mx.array, drafted: Sequence[int]) -> list[SampledToken]:
+        if drafted:
+            return row.sampling.verify(logits, drafted)
+        return [row.sampling.draw(logits[-1:]).resolve()]
 
     @staticmethod
     def _draw(rows: list[_Request], logits: mx.array) -> list[PendingToken | Exception]:

@@ -42,6 +42,7 @@ from exo.engine.mlx.prefix_cache import (
     resume,
 )
 from exo.engine.mlx.sampling import PendingToken, SampledToken, SamplingStep
+from exo.engine.speculation import SpeculationStats
 from exo.engine.stop_sequences import StopMatcher
 from exo.shared.types.tasks import FinishReason, GenerationParams, SampledLogprob, Usage
 
@@ -301,8 +302,10 @@ class TextStream:
         params: GenerationParams,
         prompt_tokens: int,
         cached_tokens: int,
+        speculation: SpeculationStats | None = None,
     ) -> None:
         self._detokenizer = tokenizer.detokenizer  # a fresh one per access
+        self._speculation = speculation  # the reply's drafting, for its usage
         self._stops = StopMatcher(tuple(params.stop))
         self._eos = set(tokenizer.eos_token_ids)
         self._max_tokens = params.max_tokens
@@ -355,12 +358,20 @@ class TextStream:
         outputs.append(
             Finished(
                 finish_reason=self._finish,
-                usage=Usage(
-                    prompt_tokens=self._prompt_tokens,
-                    completion_tokens=self._produced,
-                    cached_tokens=self._cached_tokens,
-                ),
+                usage=self._usage(),
                 stop_sequence=stops.matched,
             )
         )
         return outputs
+
+    def _usage(self) -> Usage:
+        speculation = self._speculation or SpeculationStats()
+        return Usage(
+            prompt_tokens=self._prompt_tokens,
+            completion_tokens=self._produced,
+            cached_tokens=self._cached_tokens,
+            drafted_tokens=speculation.drafted,
+            accepted_draft_tokens=speculation.accepted,
+            accepted_prediction_tokens=speculation.prediction_accepted,
+            rejected_prediction_tokens=speculation.prediction_rejected,
+        )

@@ -24,6 +24,8 @@ Every rank runs the same serving loop on the same requests, rank 0 deciding
   the last rank sends the error instead.
 """
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -34,7 +36,7 @@ from mlx_lm.models.cache import KVCache
 from exo.engine.mlx.prefix_cache import LayerCache
 from exo.engine.mlx.ring import Header, Link, Op, PipelineError, sampled_of, token_message
 from exo.engine.mlx.ring_agreements import STEP_SECONDS
-from exo.engine.mlx.sampling import PendingToken, SamplingStep
+from exo.engine.mlx.sampling import PendingToken, SampledToken, SamplingStep
 from exo.engine.mlx.shard import ShardModel
 
 
@@ -74,7 +76,7 @@ class PipelineStage(nn.Module):
                 )
             out = shard.run(hidden, cache)
         if link.is_last:
-            return out[:, -1:, :]
+            return out  # every position's logits: a verify step checks a draft
         link.send(Header.for_payload(Op.FORWARD, out), out)
         return mx.zeros((out.shape[0], 1, 1))
 
@@ -103,15 +105,44 @@ class RingDraw(SamplingStep):
             try:
                 sampled = self._step.sample(logits)
             except Exception as error:
-                message = f"{type(error).__name__}: {error}".encode()
-                payload = mx.array(np.frombuffer(message, dtype=np.uint8))
-                link.send(Header.for_payload(Op.TOKEN, payload, flag=1), payload)
+                self._send_failure(error)
                 raise
             link.send(*token_message(sampled))
             return PendingToken.of(sampled)
+        return PendingToken.of(self._receive()[0])
+
+    def verify(self, logits: mx.array, draft: Sequence[int]) -> list[SampledToken]:
+        """A draft's check (`SamplingStep.verify`) on the last rank, its tokens sent
+        around one `TOKEN` each, every one carrying how many there are."""
+        link = self._link
+        if link.is_last:
+            try:
+                tokens = self._step.verify(logits, draft)
+            except Exception as error:
+                self._send_failure(error)
+                raise
+            for token in tokens:
+                header, payload = token_message(token)
+                link.send(replace(header, total=len(tokens)), payload)
+            return tokens
+        tokens = []
+        while True:
+            token, count = self._receive()
+            tokens.append(token)
+            if len(tokens) >= count:
+                return tokens
+
+    def _receive(self) -> tuple[SampledToken, int]:
+        """A token the last rank drew, and how many its message says it sent."""
+        link = self._link
         header, payload = link.expect(Op.TOKEN, STEP_SECONDS)
         if link.rank < link.size - 2:  # on to the ranks before the last
             link.send(header, payload)
         if header.flag:
             raise DrawFailed(np.array(payload).tobytes().decode(errors="replace"))
-        return PendingToken.of(sampled_of(header, payload))
+        return sampled_of(header, payload), max(1, header.total)
+
+    def _send_failure(self, error: Exception) -> None:
+        message = f"{type(error).__name__}: {error}".encode()
+        payload = mx.array(np.frombuffer(message, dtype=np.uint8))
+        self._link.send(Header.for_payload(Op.TOKEN, payload, flag=1), payload)

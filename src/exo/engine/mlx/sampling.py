@@ -232,9 +232,15 @@ class SamplingStep:
 
     def _choose(self, scores: mx.array) -> mx.array:
         """The token, int32 of shape (1,), from logits up to a shift."""
-        params = self.params
-        if params.temperature == 0:
+        if self.params.temperature == 0:
             return mx.argmax(scores, axis=-1).astype(mx.int32)
+        self._key, key = mx.random.split(self._key)
+        return _categorical(self._filter(scores), key, self._inverse_temperature())
+
+    def _filter(self, scores: mx.array) -> mx.array:
+        """Top-k, top-p and min-p of logits up to a shift: the tokens they rule out
+        at -inf."""
+        params = self.params
         if 0 < params.top_k < scores.shape[-1]:
             scores = apply_top_k(scores, params.top_k)
         if params.top_p < 1.0:
@@ -243,8 +249,81 @@ class SamplingStep:
             )
         if params.min_p > 0:
             scores = apply_min_p(scores, params.min_p)
-        self._key, key = mx.random.split(self._key)
-        return _categorical(scores, key, mx.array(1 / params.temperature, mx.float32))
+        return scores
+
+    def _inverse_temperature(self) -> mx.array:
+        return mx.array(1 / self.params.temperature, mx.float32)
+
+    def verify(self, logits: mx.array, draft: Sequence[int]) -> list[SampledToken]:
+        """Speculative decoding's check of drafted tokens: `logits` of shape
+        (len(draft) + 1, vocab), row i the model's prediction after `draft[:i]`.
+        The tokens drawn, recorded as part of the reply: the drafted ones accepted
+        (a prefix of `draft`), then one the model chose (where the first refused
+        draft token was, or after the whole draft).
+
+        Each row goes through this step as a `draw` would, in order, so penalties
+        and a constraint mask see the tokens accepted before it (a token the
+        mask refuses has probability 0: the draft ends there). Greedy: a drafted
+        token is accepted when it is the argmax. Sampling: with the probability
+        the sampling distribution gives it (the draft is deterministic, so this
+        is the standard speculative-sampling rule min(1, p/q) with q = 1), and on
+        refusal the token is drawn from that distribution without the refused
+        token; either way each token's distribution is what `draw` would have
+        sampled from, and a seed reproduces the reply."""
+        if logits.ndim != 2 or logits.shape[0] != len(draft) + 1:
+            raise ValueError(f"expected {len(draft) + 1} rows of logits, got shape {logits.shape}")
+        if self.plain_greedy:
+            vocab = logits.shape[-1]
+            if (bias := self.bias(vocab)) is not None:
+                logits = logits.astype(mx.float32).at[:, bias[0]].add(bias[1])
+            chosen = cast(list[int], mx.argmax(logits, axis=-1).tolist())
+            taken = next(
+                (i for i, (d, c) in enumerate(zip(draft, chosen[:-1], strict=True)) if d != c),
+                len(draft),
+            )
+            return [SampledToken(token, None, ()) for token in chosen[: taken + 1]]
+        tokens: list[SampledToken] = []
+        for i in range(len(draft) + 1):
+            pending = self._verify_row(logits[i : i + 1], draft[i] if i < len(draft) else None)
+            token = pending.resolve()
+            tokens.append(token)
+            if i == len(draft) or token.token != draft[i]:
+                break
+        return tokens
+
+    def _verify_row(self, logits: mx.array, drafted: int | None) -> PendingToken:
+        """One row of `verify`: `drafted` accepted or another token drawn."""
+        vocab = logits.shape[-1]
+        processed = self._process(logits.astype(mx.float32))
+        logprobs = processed - mx.logsumexp(processed, axis=-1, keepdims=True)
+        scores = (
+            logprobs
+            if self.params.logprobs
+            else processed - mx.max(processed, axis=-1, keepdims=True)
+        )
+        if drafted is None:
+            token = self._choose(scores)
+        elif self.params.temperature == 0:
+            token = mx.argmax(scores, axis=-1).astype(mx.int32)
+        else:
+            self._key, key = mx.random.split(self._key)
+            accept_key, redraw_key = mx.random.split(key)
+            filtered = self._filter(scores)
+            probabilities = mx.softmax(filtered * self._inverse_temperature(), axis=-1)
+            accepted = mx.random.uniform(key=accept_key) < probabilities[0, drafted]
+            if cast(bool, accepted.item()):
+                token = mx.array([drafted], dtype=mx.int32)
+            else:
+                refused = filtered.at[:, drafted].add(-mx.inf)
+                token = _categorical(refused, redraw_key, self._inverse_temperature())
+        self._record(token, vocab)
+        if not self.params.logprobs:
+            return PendingToken(token, None, None)
+        return PendingToken(
+            token=token,
+            logprob=mx.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0],
+            alternatives=self._alternatives(logprobs),
+        )
 
     def _record(self, token: mx.array, vocab: int) -> None:
         params = self.params

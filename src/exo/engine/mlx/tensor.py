@@ -48,10 +48,11 @@ _HEAD_COUNTS = (
 
 
 class RankZeroLogits(nn.Module):
-    """The model with rank 0's logits on every rank, for the last position only
-    (all the callers use): rank 0's row summed with zeros from the others. The
-    zeros still depend on each rank's logits, so every rank runs the last layer
-    and its `all_sum`s as rank 0 does."""
+    """The model with rank 0's logits on every rank: rank 0's summed with zeros
+    from the others. The zeros still depend on each rank's logits, so every rank
+    runs the last layer and its `all_sum`s as rank 0 does. Every position's:
+    decode uses the last, a verify step (speculative decoding) all; prompt
+    reading evaluates none, so no rank computes or sums them there."""
 
     def __init__(self, model: nn.Module, group: mx.distributed.Group) -> None:
         super().__init__()
@@ -66,7 +67,7 @@ class RankZeroLogits(nn.Module):
         return make_prompt_cache(self.model)
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
-        logits = self.model(inputs, cache=cache)[:, -1:, :]
+        logits = self.model(inputs, cache=cache)
         if self._group.rank() != 0:
             logits = mx.where(mx.array(False), logits, mx.zeros_like(logits))
         return mx.distributed.all_sum(logits, group=self._group)

@@ -124,6 +124,8 @@ class Sampling(FrozenModel):
     top_k: int | None = None  # 0: all tokens
     min_p: float | None = None
     repetition_penalty: float | None = None  # 1.0: none
+    # Tokens (of prompt and reply) the repetition penalty looks back over; None: the engine's.
+    repetition_context_size: int | None = Field(default=None, ge=1)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] = Field(default_factory=dict[int, float])  # token id -> bias
@@ -154,6 +156,10 @@ class ChatRequest(FrozenModel):
     reasoning_effort: ReasoningEffort | None = None
     stream: bool = False
     include_usage: bool = False  # streams end with a usage chunk
+    # Speculative decoding: drafts verified in the batch (False: none for this
+    # request); `prediction`, text the reply is expected to repeat, drafted from.
+    speculation: bool = True
+    prediction: str | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "ChatRequest":

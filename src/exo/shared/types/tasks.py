@@ -14,6 +14,8 @@ FinishReason = Literal["stop", "length"]
 LOGIT_BIAS_LIMIT = 100.0
 PENALTY_LIMIT = 2.0
 MAX_TOP_LOGPROBS = 20
+# Tokens of prompt and reply the repetition penalty looks back over, unless asked otherwise.
+REPETITION_CONTEXT_SIZE = 20
 
 # The sampling values a model's defaults may also set (`generation_config.json`).
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
@@ -39,7 +41,7 @@ class GenerationParams(FrozenModel):
     # Multiplicative (the CTRL paper's, as Hugging Face and mlx-lm apply it) on
     # the tokens among the last `repetition_context_size` of prompt and reply.
     repetition_penalty: RepetitionPenalty | None = None
-    repetition_context_size: int = Field(default=20, ge=1)
+    repetition_context_size: int = Field(default=REPETITION_CONTEXT_SIZE, ge=1)
     # Additive (OpenAI's) on the tokens of the reply so far.
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
@@ -50,6 +52,11 @@ class GenerationParams(FrozenModel):
     stop: tuple[str, ...] = ()
     # The reply's required shape, enforced by a token mask where it is sampled.
     constraint: Constraint | None = None
+    # Speculative decoding (`engine/speculation.py`): drafts verified in the
+    # batch, from the predicted output's tokens (OpenAI's `prediction`) and the
+    # prompt. Off: one token per step.
+    speculation: bool = True
+    prediction: tuple[int, ...] = ()
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -70,6 +77,13 @@ class Usage(FrozenModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Speculative decoding: draft tokens checked, and of them those accepted
+    # (all sources); of the predicted output (`GenerationParams.prediction`),
+    # the tokens taken from it and those not.
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class TokenAlternative(FrozenModel):

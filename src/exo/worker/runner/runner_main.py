@@ -50,11 +50,13 @@ def runner_command(
     prefix_cache_dir: Path | None = None,
     prefix_cache_disk_bytes: int = 0,
     tensor: bool = False,
+    speculation: bool = True,
 ) -> list[str]:
     """The command line that starts a runner: the whole model, or `layers` of it
     as one rank of a ring (`MLX_HOSTFILE` and `MLX_RANK` set in its environment);
     `tensor`: the rank holds a slice of every layer (`layers` are all of them).
-    With `prefix_cache_dir` and disk bytes, the prefix cache keeps entries there."""
+    With `prefix_cache_dir` and disk bytes, the prefix cache keeps entries there.
+    Without `speculation`, the runner drafts no tokens."""
     command = [
         sys.executable,
         "-m",
@@ -72,6 +74,8 @@ def runner_command(
         command += ["--total-layers", str(layers.total)]
     if tensor:
         command.append("--tensor")
+    if not speculation:
+        command.append("--no-speculation")
     return command
 
 
@@ -109,13 +113,14 @@ def _serve(
     layers: LayerRange | None,
     disk: tuple[Path, int] | None,
     tensor: bool,
+    speculation: bool,
 ) -> None:
     """Load the whole model, one rank's layers or one rank's slice of every
-    layer, and serve until stopped."""
+    layer, and serve until stopped; without `speculation`, drafting no tokens."""
     # Imported here so that a broken MLX install is reported as a failed runner.
     from exo.worker.runner.serving import Runner
 
-    runner = Runner(out, inbox)
+    runner = Runner(out, inbox, speculation=speculation)
     if layers is None:
         from exo.worker.runner.whole_model import serve_whole_model
 
@@ -152,6 +157,12 @@ def main() -> None:
         action="store_true",
         help="this rank holds a slice of every layer; needs MLX_HOSTFILE and MLX_RANK",
     )
+    parser.add_argument(
+        "--no-speculation",
+        dest="speculation",
+        action="store_false",
+        help="draft no tokens (speculative decoding off)",
+    )
     args = parser.parse_args()
     # Ctrl-C reaches the whole process group; the node stops us via stdin instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -174,7 +185,16 @@ def main() -> None:
     layers: LayerRange | None = None
     try:
         layers = _layers(args)
-        _serve(out, inbox, args.model_dir, args.prefix_cache_bytes, layers, disk, args.tensor)
+        _serve(
+            out,
+            inbox,
+            args.model_dir,
+            args.prefix_cache_bytes,
+            layers,
+            disk,
+            args.tensor,
+            args.speculation,
+        )
     except BaseException as error:
         # When the node stops an instance each rank is told so; one that sees a peer
         # leave first was being stopped too, which is no failure.

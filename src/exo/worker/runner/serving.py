@@ -45,9 +45,12 @@ IDLE_POLL_SECONDS = 1.0
 class Runner:
     """A runner's messages out (to `out`) and its tasks in (from `inbox`)."""
 
-    def __init__(self, out: IO[str], inbox: Inbox) -> None:
+    def __init__(self, out: IO[str], inbox: Inbox, speculation: bool = True) -> None:
+        """`speculation` off: every task is generated without drafts, whatever its
+        params say (on a split instance rank 0's runner decides, here)."""
         self._out = out
         self.inbox = inbox
+        self.speculation = speculation
 
     def send(self, message: FromRunner, flush: bool = True) -> None:
         """Write `message`; `flush=False` leaves it buffered for a later send or
@@ -112,8 +115,11 @@ class Runner:
     def _start(self, batch: Batch, task: Generate) -> None:
         if len(self.inbox.taken) == 1:  # the first since the runner was idle
             self.send(StatusChanged(status="running"))
+        params = task.params
+        if not self.speculation:
+            params = params.model_copy(update={"speculation": False})
         try:
-            progress = batch.add(task.task_id, task.tokens, task.params, task.system_prompt_length)
+            progress = batch.add(task.task_id, task.tokens, params, task.system_prompt_length)
         except Exception as error:  # a bad request must not stop the runner
             self._end(batch, task, _failure_message(task, error))
             return

@@ -67,9 +67,10 @@ class RunnerSupervisor:
         on_status: Callable[[RunnerStatus, str | None], None] = lambda status, error: None,
         prefix_cache_disk_bytes: int = 0,
         standby: Callable[[], Process | None] = lambda: None,
+        speculation: bool = True,
     ) -> None:
         """`standby`: hands over a runner process started ahead (`standby.py`), or
-        None: one is started then."""
+        None: one is started then. `speculation`: the runner drafts tokens."""
         self.instance = instance
         self.rank = rank
         self.model_id = instance.model_id
@@ -85,6 +86,7 @@ class RunnerSupervisor:
         self.model_dir = model_dir
         self.prefix_cache_bytes = prefix_cache_bytes
         self.prefix_cache_disk_bytes = prefix_cache_disk_bytes
+        self.speculation = speculation
         self.cache_dir = cache_dir
         self.status: RunnerStatus = "starting"
         self.error: str | None = None
@@ -131,6 +133,7 @@ class RunnerSupervisor:
             self.cache_dir / "prefix_cache",
             self.prefix_cache_disk_bytes,
             tensor=self.instance.sharding == "tensor",
+            speculation=self.speculation,
         )
         reached_ready = False
         try:
