@@ -460,7 +460,8 @@ class ContinuousBatcher:
             expected.append(
                 (len(draft.tokens), drafter.acceptance) if draft and drafter else (0, 0)
             )
-        width = verify_width(expected)
+        held = sum(len(row.tokens) + len(row.generated) for row in self._rows)
+        width = verify_width(expected, held)
         return [
             Draft(draft.tokens[: width - 1], draft.predicted) if draft and width > 1 else None
             for draft in drafts
