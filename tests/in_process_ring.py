@@ -21,8 +21,6 @@ from exo.engine.mlx.batch import (
     ContinuousBatcher,
     GenerationFailed,
     can_batch,
-    can_speculate,
-    prompts_read_together,
 )
 from exo.engine.mlx.generate import Finished, LocalModel, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_model_tokenizer
@@ -168,11 +166,7 @@ def pipeline_rank_batch(
     decide = Decisions(link)
     caches = shard.whole_model_caches()
     if can_batch(caches):
-        return ContinuousBatcher(
-            generator,
-            prompts_together=prompts_read_together(caches),
-            speculate=can_speculate(caches),
-        )
+        return ContinuousBatcher.for_caches(generator, caches)
     return OneAtATime(generator, is_cancelled=lambda task_id: decide(lambda: False))
 
 

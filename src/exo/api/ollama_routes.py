@@ -22,7 +22,6 @@ from exo.api.routing import cluster_models
 from exo.api.serving import ModelRouter, Relay, ndjson_response, relay, until_disconnect
 from exo.models.file_source import FileSource
 from exo.shared.types.chat import ChatRequest
-from exo.worker.served_model import ServedModel
 
 # How Ollama's server answers `/`: clients check with it that a server is up.
 OLLAMA_ROOT_TEXT = "Ollama is running"
@@ -51,39 +50,38 @@ def ollama_routes(
     cluster = router.cluster
 
     async def answer(
-        model: ServedModel,
-        chat: ChatRequest,
-        shape: ollama.Shape,
         request: Request,
-        started_ns: int,
+        name: str,
+        shape: ollama.Shape,
+        empty: bool,
+        translate: Callable[[], ChatRequest],
     ) -> Response:
+        """A chat or generate: `empty` (no messages or prompt) only loads the
+        model, as Ollama answers it; a model served elsewhere is relayed."""
+        started = time.monotonic_ns()
+        model = router.find(ollama.model_name(name))
+        if empty:
+            return JSONResponse(ollama.loaded(model.model_id, shape))
+        if isinstance(model, Relay):
+            return await relay(model, request)
+        chat = translate().model_copy(update={"model": model.model_id})
         reply = await prepare_reply(model, chat, keepalive_seconds)
-        assembler = ollama.ReplyAssembler(reply, shape, started_ns)
+        assembler = ollama.ReplyAssembler(reply, shape, started)
         if chat.stream:
             return ndjson_response(ollama.reply_lines(assembler))
         return JSONResponse(await until_disconnect(request, lambda: ollama.reply_object(assembler)))
 
     @routes.post("/api/chat", response_model=None)
     async def chat(body: OllamaChatRequest, request: Request) -> Response:
-        started = time.monotonic_ns()
-        model = router.find(ollama.model_name(body.model))
-        if not body.messages:
-            return JSONResponse(ollama.loaded(model.model_id, "chat"))
-        if isinstance(model, Relay):
-            return await relay(model, request)
-        translated = ollama.chat_request(body).model_copy(update={"model": model.model_id})
-        return await answer(model, translated, "chat", request, started)
+        empty = not body.messages
+        return await answer(request, body.model, "chat", empty, lambda: ollama.chat_request(body))
 
     @routes.post("/api/generate", response_model=None)
     async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
-        started = time.monotonic_ns()
-        model = router.find(ollama.model_name(body.model))
-        if not body.prompt:
-            return JSONResponse(ollama.loaded(model.model_id, "generate"))
-        if isinstance(model, Relay):
-            return await relay(model, request)
-        translated = ollama.generate_request(body).model_copy(update={"model": model.model_id})
-        return await answer(model, translated, "generate", request, started)
+        empty = not body.prompt
+        return await answer(
+            request, body.model, "generate", empty, lambda: ollama.generate_request(body)
+        )
 
     @routes.api_route("/api/tags", methods=["GET", "HEAD"])
     async def tags() -> dict[str, Any]:

@@ -191,6 +191,19 @@ class ContinuousBatcher:
         self._rows: list[_Request] = []
         self._cache: list[LayerCache] = []
 
+    @classmethod
+    def for_caches(
+        cls, generator: TextGenerator, caches: Sequence[LayerCache]
+    ) -> "ContinuousBatcher":
+        """A batcher doing what a model with these caches (all its layers', the
+        whole model's on a split instance's ranks) allows: short prompts read
+        together, speculative decoding."""
+        return cls(
+            generator,
+            prompts_together=prompts_read_together(caches),
+            speculate=can_speculate(caches),
+        )
+
     @property
     def prefix_cache(self) -> KVPrefixCache | None:
         return self._generator.prefix_cache
@@ -480,9 +493,9 @@ class ContinuousBatcher:
         width = 1 + max(len(draft.tokens) if draft else 0 for draft in drafts)
         inputs = []
         for row, draft in zip(rows, drafts, strict=True):
-            fed = [row.generated[-1] if row.generated else row.tokens[-1]]
-            fed += draft.tokens if draft else ()
-            inputs.append(fed + [0] * (width - len(fed)))
+            row_inputs = [row.generated[-1] if row.generated else row.tokens[-1]]
+            row_inputs += draft.tokens if draft else ()
+            inputs.append(row_inputs + [0] * (width - len(row_inputs)))
         with mx.stream(DECODE_STREAM):
             logits = self._model.model(mx.array(inputs), cache=self._cache)
         kept: list[int] = []

@@ -14,8 +14,6 @@ from exo.engine.mlx.batch import (
     ContinuousBatcher,
     GenerationFailed,
     can_batch,
-    can_speculate,
-    prompts_read_together,
 )
 from exo.engine.mlx.cpu_few_rows import KERNEL_ROWS
 from exo.engine.mlx.generate import LocalModel, TextGenerator
@@ -53,9 +51,7 @@ def warm_up(model: LocalModel, caches: list[LayerCache]) -> None:
             for _ in generator.generate(prompt, params):
                 pass
         return
-    batcher = ContinuousBatcher(
-        generator, prompts_together=prompts_read_together(caches), speculate=can_speculate(caches)
-    )
+    batcher = ContinuousBatcher.for_caches(generator, caches)
     for together in (greedy, [drawn]):
         for n, params in enumerate(together):
             batcher.add(f"warm-up-{n}", prompt, params)

@@ -25,13 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 from loguru import logger
 
-from exo.engine.mlx.batch import (
-    Batch,
-    ContinuousBatcher,
-    can_batch,
-    can_speculate,
-    prompts_read_together,
-)
+from exo.engine.mlx.batch import Batch, ContinuousBatcher, can_batch
 from exo.engine.mlx.cpu_few_rows import configure_kernel_threads
 from exo.engine.mlx.generate import LocalModel, TextGenerator
 from exo.engine.mlx.load import load_model_tokenizer
@@ -158,11 +152,7 @@ def _batch(
     """The same kind of batch on every rank: continuous where the caches batch."""
     generator = TextGenerator(rank.local, rank.local.tokenizer, rank.cache)
     if can_batch(rank.whole_caches):
-        return ContinuousBatcher(
-            generator,
-            prompts_together=prompts_read_together(rank.whole_caches),
-            speculate=can_speculate(rank.whole_caches),
-        )
+        return ContinuousBatcher.for_caches(generator, rank.whole_caches)
     logger.info("this model's caches do not batch: requests are served one at a time")
     return OneAtATime(generator, on_progress, is_cancelled)
 

@@ -7,13 +7,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from exo.engine.mlx.batch import (
-    Batch,
-    ContinuousBatcher,
-    can_batch,
-    can_speculate,
-    prompts_read_together,
-)
+from exo.engine.mlx.batch import Batch, ContinuousBatcher, can_batch
 from exo.engine.mlx.generate import LocalModel, TextGenerator
 from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.one_at_a_time import OneAtATime
@@ -57,11 +51,7 @@ def serve_whole_model(
 
 def _batch(runner: Runner, generator: TextGenerator, caches: list[LayerCache]) -> Batch:
     if can_batch(caches):
-        return ContinuousBatcher(
-            generator,
-            prompts_together=prompts_read_together(caches),
-            speculate=can_speculate(caches),
-        )
+        return ContinuousBatcher.for_caches(generator, caches)
     logger.info("this model's caches do not batch: requests are served one at a time")
     return OneAtATime(generator, runner.report_progress, runner.is_cancelled)
 
