@@ -1,17 +1,21 @@
 // Requests to this node's API: the API key when the node asks for one, and
-// errors that carry the server's own message.
+// errors that carry the server's own message. A 401 is announced to the page
+// ("exo:unauthorized", with the server's code and message and whether a key
+// was sent): the key prompt says which node asked, and whether it refused a key.
 
 const KEY_STORAGE = "exo.apiKey";
 
 export class ApiError extends Error {
-  constructor(status, message) {
+  constructor(status, message, code = null) {
     super(message);
     this.status = status;
+    this.code = code;
   }
 }
 
 export const apiKey = () => localStorage.getItem(KEY_STORAGE) ?? "";
 export const setApiKey = (key) => localStorage.setItem(KEY_STORAGE, key);
+export const forgetApiKey = () => localStorage.removeItem(KEY_STORAGE);
 
 /** The raw response of a successful request; an ApiError otherwise. */
 export async function request(path, { method = "GET", body, signal } = {}) {
@@ -26,8 +30,13 @@ export async function request(path, { method = "GET", body, signal } = {}) {
   });
   if (response.ok) return response;
   const error = await response.json().catch(() => ({}));
-  if (response.status === 401) window.dispatchEvent(new Event("exo:unauthorized"));
-  throw new ApiError(response.status, error.error?.message ?? `HTTP ${response.status} from ${path}`);
+  const message = error.error?.message ?? `HTTP ${response.status} from ${path}`;
+  const code = error.error?.code ?? null;
+  if (response.status === 401) {
+    const detail = { code, message, keySent: Boolean(apiKey()), path };
+    window.dispatchEvent(new CustomEvent("exo:unauthorized", { detail }));
+  }
+  throw new ApiError(response.status, message, code);
 }
 
 export const api = async (path, options) => (await request(path, options)).json();

@@ -98,11 +98,24 @@ export class CacheView {
 
   render() {
     const node = this.cluster.nodeId;
-    this.el.where.textContent = node ? `runners whose first rank is on this node (${node})` : "";
+    this.el.where.textContent = node ? `runners whose first rank is on this node (${this.cluster.label(node)})` : "";
     const runners = [...this.history.entries()].map(([model, samples]) => this.#runner(model, samples).text);
     this.el.cache.innerHTML =
       (this.error ? html`<div class="error">${this.error}</div>`.text : "") +
       (runners.join("") ||
-        html`<p class="muted">No runner takes requests on this node. A model's cache lives on the node of its first rank: open that node's dashboard.</p>`.text);
+        html`<p class="muted">No runner takes requests on this node. A model's cache lives on the node of its first rank${this.#elsewhere().length ? ": open that node's dashboard" : "."}</p>
+          ${this.#elsewhere().map(({ model, node, url }) => html`<div class="cache-elsewhere"><b>${model}</b> on node ${this.cluster.label(node)}:
+            <a class="dashboard-link" href="${url}#cache" target="_blank" rel="noopener">its dashboard's cache view</a></div>`)}`.text);
+  }
+
+  /** The models whose first rank is on another node, with a link to its dashboard. */
+  #elsewhere() {
+    const here = this.cluster.nodeId;
+    return this.cluster.instances
+      .map((instance) => ({ model: instance.model_id, node: instance.ranks[0].node_id }))
+      .filter(({ node }) => node !== here)
+      .map((entry) => ({ ...entry, address: this.cluster.state?.nodes[entry.node]?.api_address }))
+      .filter(({ address }) => address)
+      .map((entry) => ({ ...entry, url: `http://${entry.address}/` }));
   }
 }

@@ -1,35 +1,117 @@
-// The chat view: one conversation with a served model, streamed over
-// `/v1/chat/completions`; each answer shows its time to first token, its
-// decode speed and how many prompt tokens the prefix cache served.
+// The chat view: conversations with a served model, streamed over
+// `/v1/chat/completions` and kept in this browser (localStorage) across reloads.
+//
+// - Answers render as Markdown (./markdown.js, everything escaped) while they
+//   stream; each code block has a Copy button.
+// - A failed turn (its question and its error) is never sent again with later
+//   turns; it shows its error with Retry and Edit.
+// - An answer cut at max tokens (finish_reason "length") can be continued: the
+//   partial answer goes back as the last assistant message with
+//   `continue_final_message`, and the model goes on writing it.
+// - The log follows the stream only while it is scrolled to the bottom; Esc
+//   stops an answer; finished answers are announced to screen readers through
+//   a separate live region (the streaming log itself is not live).
+// Each answer shows its time to first token, its decode speed and how many
+// prompt tokens the prefix cache served.
 
 import { api, request, sseData } from "./api.js";
 import { html, seconds } from "./format.js";
+import { renderMarkdown } from "./markdown.js";
 
 const SERVING = new Set(["ready", "running"]);
+const STORE = "exo.chats";
+const CURRENT = "exo.chats.current";
+const FOLLOW_SLACK_PX = 32; // this close to the bottom still follows the stream
+const RENDER_EVERY_MS = 40; // a streaming answer is rendered again at most this often
+
+const newId = () => `${Date.now().toString(36)}${Math.random().toString(36).slice(2, 8)}`;
+const titleOf = (text) => (text.length > 60 ? `${text.slice(0, 57).trimEnd()}…` : text);
+
+/** Copies `text`: the Clipboard API where the page may use it, else a hidden textarea. */
+export async function copyText(text) {
+  try {
+    await navigator.clipboard.writeText(text);
+    return true;
+  } catch {
+    const area = Object.assign(document.createElement("textarea"), { value: text, readOnly: true });
+    area.style.cssText = "position:fixed;top:0;left:0;opacity:0";
+    document.body.append(area);
+    area.select();
+    let done = false;
+    try {
+      done = document.execCommand("copy");
+    } finally {
+      area.remove();
+    }
+    return done;
+  }
+}
+
+/** The conversations saved in this browser, newest first. */
+function loadConversations() {
+  let saved;
+  try {
+    saved = JSON.parse(localStorage.getItem(STORE) ?? "null");
+  } catch {
+    saved = null;
+  }
+  const conversations = Array.isArray(saved?.conversations) ? saved.conversations : [];
+  for (const conversation of conversations) {
+    conversation.exchanges ??= [];
+    for (const exchange of conversation.exchanges) {
+      // A page closed mid-answer left it streaming: it stopped there.
+      if (exchange.outcome === "streaming") exchange.outcome = "stopped";
+    }
+  }
+  return conversations;
+}
 
 export class ChatView {
-  messages = []; // the conversation sent with every turn
+  conversations = loadConversations();
+  current = null; // the conversation shown
   #abort = null;
+  #streaming = null; // the exchange being answered
+  #follow = true; // the log is at its bottom: it follows the stream
+  #renderTimer = null;
+  #views = new Map(); // exchange id -> its turns' elements
 
   constructor(cluster, elements) {
     this.cluster = cluster;
-    this.el = elements;
+    this.el = {
+      ...elements,
+      list: elements.list ?? document.getElementById("chat-list"),
+      announce: elements.announce ?? document.getElementById("chat-announce"),
+    };
     elements.form.addEventListener("submit", (event) => {
       event.preventDefault();
       this.send();
     });
     elements.text.addEventListener("keydown", (event) => {
-      if (event.key === "Enter" && !event.shiftKey) {
+      if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
         event.preventDefault();
         elements.form.requestSubmit();
       }
     });
-    elements.stop.addEventListener("click", () => this.#abort?.abort());
-    elements.clear.addEventListener("click", () => {
-      this.#abort?.abort();
-      this.messages = [];
-      elements.log.innerHTML = "";
+    elements.stop.addEventListener("click", () => this.stop());
+    document.addEventListener("keydown", (event) => {
+      if (event.key === "Escape" && this.#abort) {
+        event.preventDefault();
+        this.stop();
+      }
     });
+    elements.clear.addEventListener("click", () => this.newConversation());
+    elements.log.addEventListener("scroll", () => (this.#follow = this.#atBottom()));
+    // Scrolling up stops following at once (before the scroll itself lands).
+    elements.log.addEventListener("wheel", (event) => event.deltaY < 0 && (this.#follow = false), { passive: true });
+    elements.log.addEventListener("click", (event) => this.#onLogClick(event));
+    this.el.list?.addEventListener("click", (event) => this.#onListClick(event));
+    window.addEventListener("storage", (event) => {
+      if (event.key !== STORE || this.#abort) return;
+      this.conversations = loadConversations();
+      this.#open(this.conversations.find((c) => c.id === this.current?.id) ?? null);
+    });
+    const wanted = localStorage.getItem(CURRENT);
+    this.#open(this.conversations.find((c) => c.id === wanted) ?? null);
   }
 
   /** The served models, kept in the picker (the choice survives updates). */
@@ -58,75 +140,376 @@ export class ChatView {
     this.el.send.disabled = !ids.length;
   }
 
-  #turn(role, text) {
-    const turn = document.createElement("div");
-    turn.className = `turn ${role}`;
-    turn.innerHTML = html`<div class="who">${role === "user" ? "you" : this.el.model.value}</div>
-      <div class="text"></div><div class="meta"></div>`.text;
-    turn.querySelector(".text").textContent = text;
-    this.el.log.append(turn);
-    this.el.log.scrollTop = this.el.log.scrollHeight;
-    return turn;
+  // ---- conversations ----
+
+  #save() {
+    const data = JSON.stringify({ version: 1, conversations: this.conversations.filter((c) => c.exchanges.length) });
+    try {
+      localStorage.setItem(STORE, data);
+      if (this.current) localStorage.setItem(CURRENT, this.current.id);
+    } catch (error) {
+      // Full: the oldest conversations go first (the list is newest first).
+      const kept = this.conversations.filter((c) => c.exchanges.length);
+      if (kept.length > 1 && kept.at(-1) !== this.current) {
+        this.conversations = this.conversations.filter((c) => c !== kept.at(-1));
+        this.#save();
+      } else {
+        console.warn(`the conversation is not saved: ${error.message}`);
+      }
+    }
   }
 
-  async send() {
-    const text = this.el.text.value.trim();
+  /** Shows `conversation` (a new empty one when null). */
+  #open(conversation) {
+    if (!conversation) {
+      conversation = { id: newId(), title: "", updated: Date.now(), exchanges: [] };
+      this.conversations.unshift(conversation);
+    }
+    this.current = conversation;
+    try {
+      localStorage.setItem(CURRENT, conversation.id);
+    } catch {
+      // (shown anyway)
+    }
+    this.#views.clear();
+    this.el.log.innerHTML = "";
+    for (const exchange of conversation.exchanges) this.#renderExchange(exchange);
+    this.#follow = true;
+    this.el.log.scrollTop = this.el.log.scrollHeight;
+    this.#renderList();
+  }
+
+  newConversation() {
+    this.stop();
+    // An empty conversation is reused rather than piled up.
+    this.#open(this.current && !this.current.exchanges.length ? this.current : null);
+    this.el.text.focus();
+  }
+
+  #renderList() {
+    const list = this.el.list;
+    if (!list) return;
+    const shown = this.conversations.filter((c) => c.exchanges.length || c === this.current);
+    list.innerHTML = shown
+      .map((c) => {
+        const title = c.title || "New conversation";
+        const active = c === this.current;
+        return html`<li data-conversation-id="${c.id}" class="${active ? "active" : ""}">
+          <button type="button" class="chat-open" aria-current="${active ? "true" : "false"}" title="${title}">${title}</button>
+          ${c.exchanges.length ? html`<button type="button" class="chat-delete small-button" aria-label="Delete conversation: ${title}" title="Delete">×</button>` : ""}
+        </li>`.text;
+      })
+      .join("");
+  }
+
+  #onListClick(event) {
+    const item = event.target.closest("[data-conversation-id]");
+    if (!item) return;
+    const conversation = this.conversations.find((c) => c.id === item.dataset.conversationId);
+    if (!conversation) return;
+    const remove = event.target.closest(".chat-delete");
+    if (!remove) {
+      if (conversation !== this.current) {
+        this.stop();
+        this.#open(conversation);
+      }
+      return;
+    }
+    if (!remove.dataset.armed) {
+      // The first click asks; the second deletes.
+      remove.dataset.armed = "true";
+      remove.textContent = "Delete?";
+      setTimeout(() => {
+        if (remove.isConnected) {
+          delete remove.dataset.armed;
+          remove.textContent = "×";
+        }
+      }, 4000);
+      return;
+    }
+    if (conversation === this.current) this.stop();
+    this.conversations = this.conversations.filter((c) => c !== conversation);
+    this.#save();
+    if (conversation === this.current) this.#open(this.conversations.find((c) => c.exchanges.length) ?? null);
+    else this.#renderList();
+  }
+
+  // ---- turns ----
+
+  #renderExchange(exchange) {
+    const user = document.createElement("div");
+    user.className = "turn user";
+    user.innerHTML = html`<div class="who">you</div><div class="text"></div>`.text;
+    user.querySelector(".text").textContent = exchange.user;
+    const answer = document.createElement("div");
+    answer.className = "turn assistant";
+    answer.innerHTML = html`<div class="who">${exchange.model}</div>
+      <div class="text md"></div><div class="meta"></div><div class="notes"></div>`.text;
+    this.el.log.append(user, answer);
+    const view = {
+      user,
+      answer,
+      text: answer.querySelector(".text"),
+      meta: answer.querySelector(".meta"),
+      notes: answer.querySelector(".notes"),
+    };
+    this.#views.set(exchange.id, view);
+    this.#paint(exchange);
+    return view;
+  }
+
+  /** Draws `exchange`'s answer, its status and its notes as they are now. */
+  #paint(exchange) {
+    const view = this.#views.get(exchange.id);
+    if (!view) return;
+    const { user, answer, text, meta, notes } = view;
+    text.innerHTML = renderMarkdown(exchange.answer);
+    const failed = exchange.outcome === "failed";
+    user.classList.toggle("failed", failed);
+    answer.classList.toggle("failed", failed);
+    answer.dataset.outcome = exchange.outcome;
+    if (exchange.finish) answer.dataset.finish = exchange.finish;
+    else delete answer.dataset.finish;
+    if (exchange.cached !== undefined) {
+      answer.dataset.cached = String(exchange.cached);
+      answer.classList.toggle("cache-hit", exchange.cached > 0);
+    }
+    meta.textContent = exchange.outcome === "streaming" ? exchange.waiting ?? "" : exchange.meta ?? "";
+    const last = this.current?.exchanges.at(-1) === exchange;
+    const idle = !this.#abort;
+    let notes_ = "";
+    if (failed) {
+      notes_ = html`<div class="turn-error" data-error>
+        <span class="error">${exchange.error || "the request failed"}</span>
+        <span class="muted small">Not sent with later messages.</span>
+        <span class="actions"><button type="button" class="small-button" data-action="retry">Retry</button>
+        <button type="button" class="small-button" data-action="edit">Edit</button></span></div>`.text;
+    } else {
+      if (exchange.continueError) {
+        notes_ += html`<div class="turn-error" data-error><span class="error">${exchange.continueError}</span></div>`.text;
+      }
+      if (exchange.finish === "length" && exchange.outcome === "done") {
+        notes_ += html`<div class="note" data-note="length">stopped at max tokens
+          ${last && idle ? html`<button type="button" class="small-button" data-action="continue">Continue</button>` : ""}</div>`.text;
+      }
+    }
+    notes.innerHTML = notes_;
+  }
+
+  #atBottom() {
+    const log = this.el.log;
+    return log.scrollHeight - log.scrollTop - log.clientHeight <= FOLLOW_SLACK_PX;
+  }
+
+  #followStream() {
+    if (this.#follow) this.el.log.scrollTop = this.el.log.scrollHeight;
+  }
+
+  #scheduleRender(exchange) {
+    if (this.#renderTimer !== null) return;
+    this.#renderTimer = setTimeout(() => {
+      this.#renderTimer = null;
+      this.#paint(exchange);
+      this.#followStream();
+    }, RENDER_EVERY_MS);
+  }
+
+  #onLogClick(event) {
+    const copy = event.target.closest(".copy-code");
+    if (copy) {
+      const code = copy.closest(".code-block")?.querySelector("code")?.textContent ?? "";
+      copyText(code).then((done) => {
+        copy.textContent = done ? "Copied" : "Copy failed";
+        copy.dataset.copied = String(done);
+        setTimeout(() => {
+          copy.textContent = "Copy";
+          delete copy.dataset.copied;
+        }, 1500);
+      });
+      return;
+    }
+    const action = event.target.closest("[data-action]");
+    if (!action || this.#abort) return;
+    const views = [...this.#views.entries()];
+    const found = views.find(([, view]) => view.answer.contains(action));
+    const exchange = found && this.current.exchanges.find((e) => e.id === found[0]);
+    if (!exchange) return;
+    switch (action.dataset.action) {
+      case "retry":
+        this.#remove(exchange);
+        this.send(exchange.user);
+        break;
+      case "edit":
+        this.#remove(exchange);
+        this.el.text.value = exchange.user;
+        this.el.text.focus();
+        break;
+      case "continue":
+        this.#continue(exchange);
+        break;
+    }
+  }
+
+  #remove(exchange) {
+    this.current.exchanges = this.current.exchanges.filter((e) => e !== exchange);
+    this.current.title = titleOf(this.current.exchanges[0]?.user ?? "");
+    const view = this.#views.get(exchange.id);
+    view?.user.remove();
+    view?.answer.remove();
+    this.#views.delete(exchange.id);
+    this.#save();
+    this.#renderList();
+  }
+
+  /** The messages of the exchanges before `upto` that went through: failed
+   * turns, and turns stopped before any answer, are never sent again. */
+  #history(upto) {
+    const messages = [];
+    for (const exchange of this.current.exchanges) {
+      if (exchange === upto) break;
+      if (exchange.outcome === "failed" || !exchange.answer.trim()) continue;
+      messages.push({ role: "user", content: exchange.user }, { role: "assistant", content: exchange.answer });
+    }
+    return messages;
+  }
+
+  stop() {
+    this.#abort?.abort();
+  }
+
+  async send(given) {
+    const text = (given ?? this.el.text.value).trim();
     const model = this.el.model.value;
     if (!text || !model || this.#abort) return;
-    this.el.text.value = "";
-    this.messages.push({ role: "user", content: text });
-    this.#turn("user", text);
-    const turn = this.#turn("assistant", "");
-    const out = turn.querySelector(".text");
-    const meta = turn.querySelector(".meta");
-    meta.textContent = "waiting for the first token…";
+    if (given === undefined) this.el.text.value = "";
+    const conversation = this.current;
+    const exchange = { id: newId(), user: text, answer: "", model, outcome: "streaming" };
+    conversation.exchanges.push(exchange);
+    conversation.title ||= titleOf(text);
+    conversation.updated = Date.now();
+    // The conversation in use goes to the top of the list.
+    this.conversations = [conversation, ...this.conversations.filter((c) => c !== conversation)];
+    this.#save();
+    this.#renderList();
+    // Any earlier answer's Continue goes away: only the last answer can go on.
+    const previous = conversation.exchanges.at(-2);
+    this.#renderExchange(exchange);
+    this.#follow = true;
+    this.#followStream();
+    await this.#run(exchange, [...this.#history(exchange), { role: "user", content: text }], false, previous);
+  }
+
+  async #continue(exchange) {
+    const messages = [
+      ...this.#history(exchange),
+      { role: "user", content: exchange.user },
+      { role: "assistant", content: exchange.answer },
+    ];
+    exchange.continueError = undefined;
+    exchange.finish = undefined;
+    exchange.outcome = "streaming";
+    this.#follow = this.#atBottom();
+    await this.#run(exchange, messages, true);
+  }
+
+  async #run(exchange, messages, continuing, previous) {
+    const model = exchange.model;
     this.#abort = new AbortController();
+    this.#streaming = exchange;
+    if (previous) this.#paint(previous);
     this.el.send.hidden = true;
     this.el.stop.hidden = false;
+    exchange.waiting = continuing ? "continuing…" : "waiting for the first token…";
+    this.#paint(exchange);
+    const before = exchange.answer;
     const started = performance.now();
     let first = null;
     let usage = null;
+    let finish = null;
+    let pieces = 0; // text chunks: a token each (what a stopped answer can count)
     let outcome = "done";
+    let error = null;
     try {
-      const response = await request("/v1/chat/completions", {
-        method: "POST",
-        signal: this.#abort.signal,
-        body: {
-          model,
-          messages: this.messages,
-          stream: true,
-          stream_options: { include_usage: true },
-          max_tokens: Number(this.el.maxTokens.value || 256),
-        },
-      });
+      const body = {
+        model,
+        messages,
+        stream: true,
+        stream_options: { include_usage: true },
+        max_tokens: Number(this.el.maxTokens.value || 256),
+      };
+      if (continuing) body.continue_final_message = true;
+      const response = await request("/v1/chat/completions", { method: "POST", signal: this.#abort.signal, body });
       for await (const data of sseData(response)) {
         if (data === "[DONE]") break;
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message);
         usage = chunk.usage ?? usage;
-        const delta = chunk.choices?.[0]?.delta?.content;
+        const choice = chunk.choices?.[0];
+        finish = choice?.finish_reason ?? finish;
+        const delta = choice?.delta?.content;
         if (delta) {
           first ??= performance.now();
-          out.textContent += delta;
-          this.el.log.scrollTop = this.el.log.scrollHeight;
+          pieces += 1;
+          exchange.answer += delta;
+          exchange.waiting = "";
+          this.#scheduleRender(exchange);
         }
       }
-    } catch (error) {
-      outcome = error.name === "AbortError" ? "stopped" : "failed";
-      if (outcome === "failed") turn.insertAdjacentHTML("beforeend", html`<div class="error">${error.message}</div>`.text);
+    } catch (caught) {
+      outcome = caught.name === "AbortError" ? "stopped" : "failed";
+      error = caught.message;
     } finally {
       this.#abort = null;
+      this.#streaming = null;
+      clearTimeout(this.#renderTimer);
+      this.#renderTimer = null;
       this.el.send.hidden = false;
       this.el.stop.hidden = true;
     }
-    if (out.textContent) this.messages.push({ role: "assistant", content: out.textContent });
-    this.#stats(turn, meta, { started, first, usage, outcome });
+    const added = exchange.answer.length - before.length;
+    if (continuing && outcome === "failed") {
+      // The answer so far stands; only its continuation failed.
+      exchange.outcome = "done";
+      exchange.finish = "length";
+      exchange.continueError = `could not continue: ${error}`;
+    } else {
+      exchange.outcome = outcome;
+      exchange.finish = outcome === "done" ? finish : null;
+      exchange.error = error;
+      exchange.tokens = (continuing ? exchange.tokens ?? 0 : 0) + (usage?.completion_tokens ?? pieces);
+      exchange.meta = this.#stats({ started, first, usage, outcome, pieces, total: exchange.tokens, continuing });
+      if (usage) exchange.cached = usage.prompt_tokens_details?.cached_tokens ?? 0;
+    }
+    exchange.waiting = "";
+    this.current.updated = Date.now();
+    this.#save();
+    this.#paint(exchange);
+    this.#followStream();
+    this.el.text.focus({ preventScroll: true });
+    const view = this.#views.get(exchange.id);
+    const shown = view?.notes.querySelector("[data-error]");
+    if (shown) shown.scrollIntoView({ block: "nearest" });
+    this.#announce(exchange, outcome, added);
   }
 
-  #stats(turn, meta, { started, first, usage, outcome }) {
+  #announce(exchange, outcome, added) {
+    const region = this.el.announce;
+    if (!region) return;
+    const words = {
+      done: exchange.finish === "length" ? "Answer stopped at max tokens" : "Answer",
+      stopped: "Answer stopped",
+      failed: "The message failed",
+    };
+    const said = outcome === "failed" ? exchange.error || exchange.continueError : exchange.answer.slice(-Math.max(added, 0) || undefined);
+    region.textContent = `${words[outcome]}: ${said ?? ""}`.slice(0, 2000);
+  }
+
+  #stats({ started, first, usage, outcome, pieces, total, continuing }) {
     const ended = performance.now();
     const parts = [];
-    if (outcome !== "done") parts.push(outcome);
+    if (outcome === "stopped") parts.push(`stopped · ${total} token${total === 1 ? "" : "s"}`);
+    else if (outcome !== "done") parts.push(outcome);
+    if (continuing && outcome !== "failed") parts.push("continued");
     if (first !== null) parts.push(`first token ${seconds((first - started) / 1000)}`);
     if (usage) {
       const decode = (ended - first) / 1000;
@@ -140,12 +523,11 @@ export class ChatView {
         parts.push(`${rate}% of ${details.drafted_tokens} drafted tokens accepted`);
       }
       const cached = usage.prompt_tokens_details?.cached_tokens ?? 0;
-      parts.push(`${usage.completion_tokens} tokens out`);
+      parts.push(`${usage.completion_tokens} tokens out${continuing ? ` (${total} in all)` : ""}`);
       parts.push(`cached ${cached} of ${usage.prompt_tokens} prompt tokens`);
-      turn.dataset.cached = String(cached);
-      turn.classList.toggle("cache-hit", cached > 0);
+    } else if (outcome === "done" && pieces) {
+      parts.push(`${pieces} tokens out`);
     }
-    meta.textContent = parts.join(" · ");
-    turn.dataset.outcome = outcome;
+    return parts.join(" · ");
   }
 }

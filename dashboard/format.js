@@ -38,6 +38,14 @@ export function bytes(n) {
   return `${value.toFixed(value < 10 && unit > 0 ? 1 : 0)} ${units[unit]}`;
 }
 
+/** "4 s ago", "3 min ago": how long ago, counted on screen. */
+export function ago(ms) {
+  const s = Math.max(0, Math.floor(ms / 1000));
+  if (s < 90) return `${s} s ago`;
+  if (s < 5400) return `${Math.floor(s / 60)} min ago`;
+  return `${Math.floor(s / 3600)} h ago`;
+}
+
 export function seconds(s) {
   if (s === null || s === undefined) return "—";
   if (s < 1) return `${Math.round(s * 1000)} ms`;

@@ -1,23 +1,33 @@
 // The models view: place a model (previews first: which nodes, which layers,
-// how much memory, or why it cannot fit), follow each rank until it is ready,
-// delete instances, and see (and delete) the copies of models on nodes.
+// how much memory, or why it cannot fit; Enter previews, a button places the
+// best or any previewed option), follow each rank until it is ready, delete
+// instances, and see (and delete) the copies of models on nodes.
 
 import { api } from "./api.js";
-import { badge, bar, bytes, html, rankLayers, seconds, shortId, shortModel } from "./format.js";
+import { badge, bar, bytes, html, rankLayers, seconds, shortModel } from "./format.js";
 
 const NODE_COLORS = ["#6366f1", "#0891b2", "#d97706", "#db2777", "#16a34a", "#7c3aed"];
 
 export class ModelsView {
   #errors = new Map(); // instance or "node model" key -> the last action's error
   #armed = new Set(); // models whose "Delete copy" was clicked once (kept across re-renders)
+  #previewed = null; // the last preview: its request and placements
 
   constructor(cluster, elements) {
     this.cluster = cluster;
     this.el = elements;
-    elements.previewButton.addEventListener("click", () => this.preview());
+    // Enter in a field (or the Preview button) previews: placing may start a
+    // download of gigabytes, so only a click on a Place button places.
     elements.form.addEventListener("submit", (event) => {
       event.preventDefault();
-      this.place();
+      this.preview();
+    });
+    elements.placeButton.addEventListener("click", () => {
+      if (this.el.form.reportValidity()) this.place();
+    });
+    elements.previews.addEventListener("click", (event) => {
+      const option = event.target.closest("[data-place-option]")?.dataset.placeOption;
+      if (option !== undefined) this.placeOption(Number(option));
     });
     elements.instances.addEventListener("click", (event) => this.#onInstanceClick(event));
     elements.models.addEventListener("click", (event) => this.#onModelClick(event));
@@ -46,11 +56,34 @@ export class ModelsView {
     try {
       const result = await api(`/instance/previews?${params}`);
       const n = result.placements.length;
-      this.say(`${n} placement${n === 1 ? "" : "s"} fit, best first: Place places the first one.`, "ok");
+      this.#previewed = { body, placements: result.placements };
+      this.say(`${n} placement${n === 1 ? "" : "s"} fit, best first: Place places the best; "Place this one" any of them.`, "ok");
       this.el.previews.innerHTML = result.placements.map((p, i) => this.#previewCard(p, i).text).join("");
     } catch (error) {
+      this.#previewed = null;
       this.say(`cannot place ${body.model_id}: ${error.message}`, "error");
       this.el.previews.innerHTML = "";
+    }
+  }
+
+  /** Place the previewed option `index` exactly as it was shown. */
+  async placeOption(index) {
+    const placement = this.#previewed?.placements[index];
+    if (!placement) return;
+    const { body } = this.#previewed;
+    this.say(`placing ${body.model_id} (option ${index + 1})…`, "muted");
+    const ranks = placement.ranks.map(({ node_id, start_layer, end_layer }) => ({ node_id, start_layer, end_layer }));
+    try {
+      const placed = await api("/place_instance", {
+        method: "POST",
+        body: { model_id: body.model_id, sharding: placement.sharding, ranks },
+      });
+      this.say(`placed ${body.model_id} (option ${index + 1}): instance ${placed.instance_id}. Its ranks are listed below.`, "ok");
+      this.el.previews.innerHTML = "";
+      this.#previewed = null;
+      await this.cluster.update();
+    } catch (error) {
+      this.say(`cannot place ${body.model_id}: ${error.message}`, "error");
     }
   }
 
@@ -81,15 +114,16 @@ export class ModelsView {
     return html`<div class="preview" data-preview="${index}" data-sharding="${placement.sharding}">
       <div class="preview-head"><b>${index === 0 ? "Best placement" : `Option ${index + 1}`}</b>
         <span class="muted">${placement.sharding} · ${n} node${n > 1 ? "s" : ""} ·
-        ${layers} layers · files already on the nodes: ${(downloaded * 100).toFixed(0)}%</span></div>
+        ${layers} layers · files already on the nodes: ${(downloaded * 100).toFixed(0)}%</span>
+        <span class="grow"></span><button type="button" class="small-button" data-place-option="${index}">Place this one</button></div>
       <div class="layer-bar">${placement.ranks.map(
         (r) => html`<span style="flex:${width(r)};background:${this.#color(r.node_id)}"
-          title="${r.node_id}">${shortId(r.node_id)}</span>`,
+          title="${r.node_id}">${this.cluster.label(r.node_id)}</span>`,
       )}</div>
       <table class="ranks"><tr><th>rank</th><th>node</th><th>layers</th><th>memory needed</th><th>free RAM now</th></tr>
       ${placement.ranks.map((r, i) => {
         const t = this.cluster.state?.nodes[r.node_id]?.telemetry;
-        return html`<tr><td>${i}</td><td class="mono"><i class="dot" style="background:${this.#color(r.node_id)}"></i>${shortId(r.node_id)}</td>
+        return html`<tr><td>${i}</td><td class="mono"><i class="dot" style="background:${this.#color(r.node_id)}"></i>${this.cluster.label(r.node_id)}</td>
           <td>${rankLayers(r, placement.sharding, n)}</td>
           <td>${bytes(placement.memory_bytes[r.node_id])}</td><td>${t ? bytes(t.ram_available) : "—"}</td></tr>`;
       })}</table>
@@ -114,19 +148,52 @@ export class ModelsView {
       <div class="instance-head"><b>${instance.model_id}</b>
         <span class="muted mono small">${instance.instance_id}</span> ${badge(instance.status)}
         <span class="muted small" data-sharding="${instance.sharding}">${instance.ranks.length > 1 ? instance.sharding : "whole"}</span>
+        ${this.#replica(instance.instance_id)}
         <span class="grow"></span>
         <button type="button" class="danger" data-delete-instance="${instance.instance_id}">Delete</button></div>
       ${error ? html`<div class="error">${error}</div>` : ""}
+      ${instance.moved ? html`<div class="moved small">${this.#moved(instance.moved)}</div>` : ""}
       <table class="ranks"><tr><th>rank</th><th>node</th><th>layers</th><th>files</th><th>runner</th></tr>
       ${instance.ranks.map(
         (r, i) => html`<tr data-rank="${i}" data-node-id="${r.node_id}" data-runner="${r.runner?.status ?? "none"}"
             data-download="${r.download?.status ?? "none"}">
-          <td>${i}</td><td class="mono">${shortId(r.node_id)}</td><td>${rankLayers(r, instance.sharding, instance.ranks.length)}</td>
+          <td>${i}</td><td class="mono">${this.cluster.label(r.node_id)}</td><td>${rankLayers(r, instance.sharding, instance.ranks.length)}</td>
           <td>${this.#download(r.download)}</td>
           <td>${r.runner ? badge(r.runner.status) : html`<span class="muted">not started</span>`}
             ${r.runner?.error ? html`<div class="error">${r.runner.error}</div>` : ""}</td></tr>`,
       )}</table>
     </div>`;
+  }
+
+  /** The instances' cards, a model's replicas grouped under it. */
+  #byModel(instances) {
+    const groups = new Map();
+    for (const instance of instances) {
+      groups.set(instance.model_id, [...(groups.get(instance.model_id) ?? []), instance]);
+    }
+    return [...groups.entries()].map(([modelId, group]) =>
+      group.length === 1
+        ? this.#instanceCard(group[0]).text
+        : html`<div class="replica-group" data-replicas-of="${modelId}">
+            <div class="replica-head"><b>${modelId}</b> <span class="muted">${group.length} replicas: each request goes to the one with the longest cached prefix of its prompt, unless it is much busier</span></div>
+            ${group.map((i) => this.#instanceCard(i))}</div>`.text,
+    );
+  }
+
+  /** What routing knows of a replica: its load and how much its prefix cache holds. */
+  #replica(instanceId) {
+    const report = this.cluster.state.replicas?.[instanceId];
+    if (!report) return "";
+    const blocks = report.cached.length;
+    return html`<span class="muted small" data-replica-load="${report.load}">load ${report.load} · cache summary: ${blocks} blocks of 128 tokens</span>`;
+  }
+
+  /** "Moved from node 3f2a9c · studio after it was lost." */
+  #moved(moved) {
+    const from = moved.from_nodes.map((n) => this.cluster.label(n)).join(", ") || "another node";
+    return moved.reason === "node_lost"
+      ? `Moved from node ${from} after it was lost.`
+      : `Placed again after its runner failed on node ${from}.`;
   }
 
   #copies(modelId) {
@@ -147,7 +214,7 @@ export class ModelsView {
           ? html`<a class="small" href="http://${node.api_address}/#models" target="_blank" rel="noopener">on its dashboard</a>`
           : "";
       copies.push(html`<div class="copy" data-node-id="${nodeId}" data-copy-status="${d.status}">
-        <span class="mono">${shortId(nodeId)}</span> ${badge(d.status)}
+        <span class="mono">${this.cluster.label(nodeId)}</span> ${badge(d.status)}
         <span class="muted small">${d.status === "downloading" ? `${bytes(d.bytes_done)} / ${bytes(d.bytes_total)}` : `${d.files_done}/${d.files_total} files`}</span>
         ${action}${this.#errors.has(key) ? html`<span class="error small">${this.#errors.get(key)}</span>` : ""}
         ${d.error ? html`<span class="error small">${d.error}</span>` : ""}</div>`);
@@ -162,7 +229,7 @@ export class ModelsView {
     const mine = state.downloads[this.cluster.nodeId] ?? {};
     for (const modelId of this.#armed) if (!mine[modelId]) this.#armed.delete(modelId);
     this.el.instances.innerHTML = instances.length
-      ? instances.map((i) => this.#instanceCard(i).text).join("")
+      ? this.#byModel(instances).join("")
       : html`<p class="muted">No instance yet: place a model above.</p>`.text;
     const cards = Object.values(state.cards).sort((a, b) => a.model_id.localeCompare(b.model_id));
     this.el.datalist.innerHTML = cards.map((c) => html`<option value="${c.model_id}">`.text).join("");

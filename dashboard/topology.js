@@ -1,7 +1,10 @@
 // The topology view: the nodes as a picture (on a circle, the master marked,
-// a line between nodes that serve an instance together) and a card per node.
+// a line between nodes that serve an instance together) and a card per node:
+// its status from the master's link (ready, unreachable, timed out), when it
+// was last heard (counted up on screen: `tickLastHeard`), its host name, and
+// a link to its own dashboard.
 
-import { badge, bar, bytes, html, rankLayers, raw, shortId, shortModel } from "./format.js";
+import { ago, badge, bar, bytes, html, rankLayers, raw, shortId, shortModel } from "./format.js";
 
 const CENTER = { x: 260, y: 200 };
 const RADIUS = 135;
@@ -47,7 +50,8 @@ function nodeShape(node, p, cluster) {
       transform="rotate(-90)"/>
     <circle class="body" r="36"/>
     <text class="name" y="-2">${shortId(node.node_id)}</text>
-    <text class="sub" y="14">${t ? t.mlx_backend : node.status}</text>
+    <text class="sub" y="14">${node.status === "ready" && t ? t.mlx_backend : node.status}</text>
+    ${node.hostname ? html`<text class="sub" y="28">${node.hostname.slice(0, 14)}</text>` : ""}
     ${master ? html`<g class="master-mark" transform="translate(0 -66)"><rect x="-32" y="-11" width="64" height="20" rx="10"/><text y="4">★ master</text></g>` : ""}
     <text class="under" y="66">${t ? `${bytes(ramUsed(t))} / ${bytes(t.ram_total)}` : ""}</text>
     ${node.node_id === cluster.nodeId ? html`<text class="under muted" y="82">this node</text>` : ""}
@@ -71,20 +75,39 @@ function ranksOn(node, instances) {
   );
 }
 
+/** Why the node is not ready, in words, or "" when it is. */
+function statusNote(node, cluster) {
+  if (node.node_id === cluster.nodeId && cluster.down) {
+    return "This page cannot reach this node's API: it shows what it last knew.";
+  }
+  if (node.status === "unreachable") {
+    const since = Math.max(0, cluster.nodeNow() - node.unreachable_since_ms);
+    return `The master cannot reach this node (lost ${ago(since)}): nothing is placed on it, and its instances move to other nodes. It times out unless it answers again.`;
+  }
+  if (node.status === "timed out") {
+    return "This node stopped answering and timed out: its instances were removed. It comes back when it starts again; forget it if it will not.";
+  }
+  if (node.status === "joining") return "Joining: waiting for its memory and disk figures.";
+  return "";
+}
+
 function nodeCard(node, cluster) {
   const t = node.telemetry;
   const master = node.node_id === cluster.state.master_id;
   const serves = ranksOn(node, cluster.instances);
-  const seen = Math.max(0, Math.round((Date.now() - node.last_seen_ms) / 1000));
+  const here = node.node_id === cluster.nodeId;
+  const note = statusNote(node, cluster);
   return html`<div class="card node-card" data-node-id="${node.node_id}" data-status="${node.status}"
       ${master ? raw("data-master") : ""}>
     <div class="node-head">
-      <b class="mono">${shortId(node.node_id)}</b>
+      <b class="mono">${shortId(node.node_id)}</b>${node.hostname ? html`<span class="host">${node.hostname}</span>` : ""}
       ${master ? badge("master") : ""}
-      ${node.node_id === cluster.nodeId ? badge("this node") : ""}
+      ${here ? badge("this node") : ""}
       <span class="grow"></span>${badge(node.status)}
     </div>
-    <div class="muted small mono">${node.node_id}${node.api_address ? ` · ${node.api_address}` : ""}</div>
+    <div class="muted small mono">${node.node_id}${node.api_address ? ` · ${node.api_address}` : ""}
+      ${node.api_address && !here ? html` · <a class="dashboard-link" href="http://${node.api_address}/" target="_blank" rel="noopener">its dashboard</a>` : ""}</div>
+    ${note ? html`<div class="status-note ${node.status.replace(/ /g, "-")}">${note}</div>` : ""}
     <dl>
       <dt>RAM</dt>
       <dd>${t ? html`${bar(ramUsed(t), t.ram_total, "ram")} ${bytes(ramUsed(t))} used of ${bytes(t.ram_total)}` : "—"}</dd>
@@ -94,9 +117,29 @@ function nodeCard(node, cluster) {
       <dt>serves</dt>
       <dd>${serves.length ? serves.map(({ rank, i, instance }) => html`<div>${shortModel(instance.model_id)}
           <span class="muted">rank ${i} · layers ${rankLayers(rank, instance.sharding, instance.ranks.length)}</span></div>`) : html`<span class="muted">${t && !t.accepts_instances ? "no worker (API only)" : "nothing"}</span>`}</dd>
-      <dt>last seen</dt><dd>${node.status === "timed out" ? "timed out" : `${seen} s ago`}</dd>
+      <dt>${node.status === "timed out" ? "timed out" : "last heard"}</dt>
+      <dd><span class="last-heard" data-last-heard="${node.node_id}">${lastHeard(node, cluster)}</span>
+        ${node.status === "timed out" ? html` <button type="button" class="small-button" data-forget-node="${node.node_id}">Forget this node</button>` : ""}</dd>
     </dl>
   </div>`;
+}
+
+/** The "last heard" of a node card: "now" for this node while it answers. */
+function lastHeard(node, cluster) {
+  if (node.status === "timed out") return node.timed_out_at_ms ? ago(cluster.nodeNow() - node.timed_out_at_ms) : "—";
+  if (node.node_id === cluster.nodeId && !cluster.down) return "now (this node)";
+  const at = cluster.lastHeardMs(node);
+  return at ? ago(cluster.nodeNow() - at) : "—";
+}
+
+/** Count the "last heard" times up, every second, without redrawing the cards
+ * (from the latest heartbeats: `/cluster` is polled between state changes). */
+export function tickLastHeard(container, cluster) {
+  const nodes = new Map(cluster.nodes().map((n) => [n.node_id, n]));
+  for (const span of container.querySelectorAll("[data-last-heard]")) {
+    const node = nodes.get(span.dataset.lastHeard);
+    if (node) span.textContent = lastHeard(node, cluster);
+  }
 }
 
 export function renderNodeCards(container, cluster) {

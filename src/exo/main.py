@@ -23,6 +23,7 @@ from exo.api.admission import (
 from exo.api.app import KEEPALIVE_SECONDS
 from exo.api.http_server import DEFAULT_CLIENT_STALL_SECONDS
 from exo.api.model_alias import parse_model_alias
+from exo.api.routing import ROUTING_POLICIES
 from exo.cluster.auth import validate_secret
 from exo.cluster.timing import LinkTiming
 from exo.models.builtin import DEFAULT_MODEL_ID
@@ -108,6 +109,12 @@ def _log_level(text: str) -> str:
     return text.upper()
 
 
+def _routing(text: str) -> str:
+    if text.lower() not in ROUTING_POLICIES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(ROUTING_POLICIES)}")
+    return text.lower()
+
+
 def _speculation(text: str) -> str:
     if text.lower() not in SPECULATION_MODES:
         raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(SPECULATION_MODES)}")
@@ -129,6 +136,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--prefix-cache-bytes", "EXO_PREFIX_CACHE_BYTES", f"KV prefix cache budget in bytes, 0 disables it (default {DEFAULT_PREFIX_CACHE_FRACTION * 100:.0f}%% of RAM)", type=int),
     Flag("--prefix-cache-disk-bytes", "EXO_PREFIX_CACHE_DISK_BYTES", "bytes of disk the KV prefix cache keeps entries in across restarts, 0 disables it "
          f"(default {DEFAULT_PREFIX_CACHE_DISK_FRACTION * 100:.0f}%% of the data dir's free disk)", type=int),
+    Flag("--memory-limit-bytes", "EXO_MEMORY_LIMIT_BYTES", "memory a runner may fill with weights and KV caches: a request whose predicted KV does not fit "
+         "waits for running requests, then gets 503 (400 if it never fits) (default: the RAM, or Metal's recommended working set)", type=int),
     Flag("--sse-keepalive-seconds", "EXO_SSE_KEEPALIVE_SECONDS", "longest silence on a stream before an SSE keep-alive comment, e.g. during a long prefill", str(KEEPALIVE_SECONDS), float),
     Flag("--max-concurrent", "EXO_MAX_CONCURRENT", "requests a served model works on at once (its runner's batch)", str(DEFAULT_MAX_CONCURRENT), int),
     Flag("--max-queued", "EXO_MAX_QUEUED", "requests per served model that wait for a free slot; more are refused with 429", str(DEFAULT_MAX_QUEUED), int),
@@ -140,6 +149,8 @@ FLAGS: tuple[Flag, ...] = (
          "(fnmatch patterns, first match wins), e.g. 'claude-*=MODEL'; claude-* names go to the only served model when there is one", ""),
     Flag("--speculation", "EXO_SPECULATION", f"speculative decoding's drafts, one of {', '.join(SPECULATION_MODES)}: "
          "prompt-lookup drafts tokens from the prompt (and a request's prediction), none turns drafting off", "prompt-lookup", _speculation),
+    Flag("--routing", "EXO_ROUTING", f"how this node chooses among a model's replicas, one of {', '.join(ROUTING_POLICIES)}: "
+         "cache-aware sends a request where the longest prefix of its prompt is cached unless that replica is much busier", "cache-aware", _routing),
     Flag("--grpc-host", "EXO_GRPC_HOST", "address the cluster link (gRPC) binds to", "0.0.0.0", scope="cluster"),
     Flag("--grpc-port", "EXO_GRPC_PORT", "port of the cluster link (gRPC)", str(DEFAULT_GRPC_PORT), int, scope="cluster"),
     Flag("--peers", "EXO_PEERS", "comma-separated host:grpc_port of other nodes, for networks where discovery is blocked", "", scope="cluster"),
@@ -324,12 +335,19 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         ),
         min_free_disk_bytes=args.min_free_disk_bytes,
         speculation=args.speculation != "none",
+        routing=args.routing,
     )
 
 
 def _run_node(args: argparse.Namespace) -> None:
     os.environ["EXO_LOG_LEVEL"] = args.log_level  # runners log at the same level
     config = node_config(args)
+    # Runners read their memory admission's settings from their environment.
+    if args.memory_limit_bytes is not None:
+        if args.memory_limit_bytes <= 0:
+            _fail("--memory-limit-bytes must be a positive number of bytes")
+        os.environ["EXO_MEMORY_LIMIT_BYTES"] = str(args.memory_limit_bytes)
+    os.environ["EXO_QUEUE_TIMEOUT_SECONDS"] = str(config.admission.queue_timeout_seconds)
     keep_large_buffers_in_the_heap()
     try:
         anyio.run(run_node, config)

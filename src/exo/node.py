@@ -16,6 +16,7 @@ from exo.api.auth import APIAccess, is_loopback_address
 from exo.api.http_server import DEFAULT_CLIENT_STALL_SECONDS, api_server
 from exo.api.model_alias import ModelAlias
 from exo.api.ollama_routes import with_ollama_root
+from exo.api.routing import RoutingPolicy
 from exo.cluster.discovery import MdnsDiscovery, default_advertised_addresses
 from exo.cluster.link import ClusterLink
 from exo.cluster.timing import LinkTiming
@@ -80,6 +81,8 @@ class NodeConfig:
     speculation: bool = True
     # A second port of the HTTP API, where `/` answers as Ollama's server does.
     ollama_port: int | None = None
+    # How the API chooses among a model's replicas (`exo.api.routing`).
+    routing: RoutingPolicy = "cache-aware"
 
     def model_store(self) -> ModelStore:
         return ModelStore(self.models_dir, self.read_only_models_dirs)
@@ -314,6 +317,7 @@ async def _run_node(config: NodeConfig) -> None:
             grpc_address=link.address,
             api_address=_api_address(config, advertised),
             started_at_ms=now_ms(),
+            hostname=socket.gethostname() or None,
         )
         link.publish(joined)  # first: events about this node's instances need the node
         if worker is not None:
@@ -346,6 +350,7 @@ async def _run_node(config: NodeConfig) -> None:
                     config.model_aliases,
                     limits=config.admission,
                     access=access,
+                    routing=config.routing,
                 )
                 served = (
                     app if config.ollama_port is None else with_ollama_root(app, config.ollama_port)

@@ -65,7 +65,11 @@ def test_state_shows_this_node_its_instance_and_runner(node: NodeProcess) -> Non
         "min_nodes": 1,
         "max_nodes": None,
         "sharding": "pipeline",
+        "moved": None,  # placed as asked, not again after a failure
     }
+    assert me["hostname"]  # shown beside the id on the dashboard
+    assert me["unreachable_since_ms"] is None
+    assert state["gone_nodes"] == {}
     assert state["runners"][instance_id][node_id]["status"] in ("ready", "running")
     # The node told the cluster which models it has: the card and every file.
     assert state["cards"][DEFAULT_MODEL_ID]["n_layers"] == 30
@@ -133,7 +137,10 @@ def test_placement_previews(node: NodeProcess) -> None:
         timeout=10,
     )
     assert too_many.status_code == 400
-    assert "only 1 node" in too_many.json()["error"]["message"]
+    # In the user's words: how many nodes, not a parameter's name.
+    message = too_many.json()["error"]["message"]
+    assert "on at least 2 nodes: the cluster has 1 node that can run models" in message
+    assert "min_nodes" not in message
     unknown = httpx.get(
         f"{node.base_url}/instance/previews", params={"model_id": "nope"}, timeout=10
     )
@@ -150,9 +157,19 @@ def test_the_dashboard_is_served_and_its_endpoints_answer(node: NodeProcess) -> 
     assert module.headers["content-type"].startswith("text/javascript")
     # Every read the live view makes answers, with the fields the page renders.
     reads = set(re.findall(r'api\("(/[a-z_]+)"\)', module.text))
-    assert reads == {"/node_id", "/state", "/instances"}
+    assert reads == {"/node_id", "/state", "/instances", "/cluster"}
     state = httpx.get(f"{node.base_url}/state", timeout=10).json()
-    assert {"nodes", "master_id", "master_term", "last_idx", "downloads"} <= state.keys()
+    assert {
+        "nodes",
+        "gone_nodes",
+        "master_id",
+        "master_term",
+        "last_idx",
+        "downloads",
+    } <= state.keys()
+    # The heartbeats the page counts "last heard" from, on the node's clock.
+    link = httpx.get(f"{node.base_url}/cluster", timeout=10).json()
+    assert {"heard_ms", "now_ms"} <= link.keys()
     [instance] = httpx.get(f"{node.base_url}/instances", timeout=10).json()["data"]
     assert {"instance_id", "model_id", "status", "ranks"} <= instance.keys()
     assert {"node_id", "start_layer", "end_layer", "runner", "download"} <= instance["ranks"][

@@ -16,9 +16,12 @@ from exo.shared.types.events import (
     MasterElected,
     ModelCardPublished,
     ModelFoldersUnreadable,
+    NodeForgotten,
     NodeJoined,
+    NodeReachable,
     NodeTelemetryReported,
     NodeTimedOut,
+    NodeUnreachable,
     RunnerStatusChanged,
     indexed_event_adapter,
 )
@@ -50,11 +53,13 @@ BIG_CARD = sharded_card(BIG)
 BROKEN = UnreadableModelFolder(path="/models/org--broken", reason="ModelCardError: 0 layers")
 
 
-def node(node_id: NodeId, seen: int = 100, telemetry: NodeTelemetry | None = None) -> NodeInfo:
-    return NodeInfo(
+def node(
+    node_id: NodeId, seen: int = 100, telemetry: NodeTelemetry | None = None, **more: object
+) -> NodeInfo:
+    return NodeInfo.model_validate(dict(
         node_id=node_id, grpc_address=f"{node_id}:52414", started_at_ms=1, telemetry=telemetry,
-        last_seen_ms=seen,
-    )  # fmt: skip
+        last_seen_ms=seen, **more,
+    ))  # fmt: skip
 
 
 def inst(instance_id: InstanceId, *node_ids: NodeId, model_id: ModelId = MODEL) -> Instance:
@@ -103,6 +108,11 @@ BASE = State(
 )
 # BASE's nodes once an event from A (at 200) was applied.
 SEEN_A = {A: node(A, seen=200), B: node(B)}
+# BASE with C timed out at 50, and with B lost by the master's link at 200.
+GONE_C = BASE.model_copy(update={"gone_nodes": {C: node(C, timed_out_at_ms=50)}})
+LOST_B = BASE.model_copy(
+    update={"nodes": {**BASE.nodes, B: node(B, last_heartbeat_ms=150, unreachable_since_ms=200)}}
+)
 
 
 def ev(event: Event, origin: NodeId = A, at_ms: int = 200) -> IndexedEvent:
@@ -113,7 +123,8 @@ def with_(state: State, **update: object) -> State:
     return state.model_copy(update={"last_idx": 10, **update})
 
 
-CASES: list[tuple[str, IndexedEvent, State]] = [
+# (name, event, expected, the state before when not BASE)
+CASES: list[tuple[str, IndexedEvent, State] | tuple[str, IndexedEvent, State, State]] = [
     (
         "a new node joins",
         ev(NodeJoined(node_id=C, grpc_address="c:1", started_at_ms=5), C),
@@ -140,15 +151,78 @@ CASES: list[tuple[str, IndexedEvent, State]] = [
         "a timed-out node leaves with every instance it has a rank of, their runners, "
         "its downloads and its unreadable folders",
         ev(NodeTimedOut(node_id=B)),
-        with_(BASE, nodes={A: node(A, seen=200)}, instances={I1: inst(I1, A)},
+        with_(BASE, nodes={A: node(A, seen=200)}, gone_nodes={B: node(B, timed_out_at_ms=200)},
+              instances={I1: inst(I1, A)},
               runners={I1: BASE.runners[I1]}, downloads={A: BASE.downloads[A]},
               unreadable_models={}),
     ),
     (
         "the master timing out clears the master and the multi-rank instance it was in",
         ev(NodeTimedOut(node_id=A), B),
-        with_(BASE, nodes={B: node(B, seen=200)}, instances={I2: inst(I2, B)},
+        with_(BASE, nodes={B: node(B, seen=200)}, gone_nodes={A: node(A, timed_out_at_ms=200)},
+              instances={I2: inst(I2, B)},
               runners={I2: BASE.runners[I2]}, downloads={B: BASE.downloads[B]}, master_id=None),
+    ),
+    (
+        "a node that timed out joins again: it is no longer gone, its host name is kept",
+        ev(NodeJoined(node_id=C, grpc_address="c:1", started_at_ms=5, hostname="studio"), C),
+        with_(GONE_C, nodes={**BASE.nodes, C: NodeInfo(
+            node_id=C, grpc_address="c:1", started_at_ms=5, hostname="studio",
+            last_seen_ms=200)}, gone_nodes={}),
+        GONE_C,
+    ),
+    (
+        "the master's link lost a node: unreachable since now, its last heartbeat kept",
+        ev(NodeUnreachable(node_id=B, last_heard_ms=150)),
+        with_(BASE, nodes={A: node(A, seen=200),
+                           B: node(B, last_heartbeat_ms=150, unreachable_since_ms=200)}),
+    ),
+    (
+        "a node lost again keeps when it was first lost and its newest heartbeat",
+        ev(NodeUnreachable(node_id=B, last_heard_ms=120), at_ms=300),
+        with_(LOST_B, nodes={A: node(A, seen=300),
+                             B: node(B, last_heartbeat_ms=150, unreachable_since_ms=200)}),
+        LOST_B,
+    ),
+    (
+        "a node lost without a heartbeat heard",
+        ev(NodeUnreachable(node_id=B)),
+        with_(BASE, nodes={A: node(A, seen=200), B: node(B, unreachable_since_ms=200)}),
+    ),
+    (
+        "an unknown node lost changes nothing",
+        ev(NodeUnreachable(node_id=GHOST, last_heard_ms=150)),
+        with_(BASE, nodes=SEEN_A),
+    ),
+    (
+        "a node heard again is reachable, heard when the master said so",
+        ev(NodeReachable(node_id=B), at_ms=300),
+        with_(LOST_B, nodes={A: node(A, seen=300), B: node(B, last_heartbeat_ms=300)}),
+        LOST_B,
+    ),
+    (
+        "a reachable node heard again changes nothing",
+        ev(NodeReachable(node_id=B)),
+        with_(BASE, nodes=SEEN_A),
+    ),
+    (
+        "a node that rejoins while unreachable stays so until the master hears it",
+        ev(NodeJoined(node_id=B, grpc_address="b2:1", started_at_ms=7), B, at_ms=300),
+        with_(LOST_B, nodes={A: node(A), B: NodeInfo(
+            node_id=B, grpc_address="b2:1", started_at_ms=7, last_seen_ms=300,
+            last_heartbeat_ms=150, unreachable_since_ms=200)}),
+        LOST_B,
+    ),
+    (
+        "a user forgets a node that timed out",
+        ev(NodeForgotten(node_id=C)),
+        with_(GONE_C, nodes=SEEN_A, gone_nodes={}),
+        GONE_C,
+    ),
+    (
+        "forgetting a node that is not gone changes nothing",
+        ev(NodeForgotten(node_id=B)),
+        with_(BASE, nodes=SEEN_A),
     ),
     (
         "timing out an unknown node changes nothing",
@@ -310,18 +384,23 @@ CASES: list[tuple[str, IndexedEvent, State]] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "event", "expected"), CASES, ids=[c[0] for c in CASES])
-def test_apply(name: str, event: IndexedEvent, expected: State) -> None:
-    before = BASE.model_dump()
-    assert apply(BASE, event) == expected
-    assert BASE.model_dump() == before  # pure: the input state is untouched
+@pytest.mark.parametrize(
+    ("name", "event", "expected", "start"),
+    [(*c[:3], c[3] if len(c) == 4 else BASE) for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_apply(name: str, event: IndexedEvent, expected: State, start: State) -> None:
+    before = start.model_dump()
+    assert apply(start, event) == expected
+    assert start.model_dump() == before  # pure: the input state is untouched
 
 
 def test_every_event_kind_has_a_case() -> None:
     kinds = {case[1].event.kind for case in CASES}
     all_kinds = {
         cls.model_fields["kind"].default
-        for cls in (NodeJoined, NodeTelemetryReported, NodeTimedOut, MasterElected,
+        for cls in (NodeJoined, NodeTelemetryReported, NodeTimedOut, NodeUnreachable,
+                    NodeReachable, NodeForgotten, MasterElected,
                     InstanceCreated, InstanceDeleted, RunnerStatusChanged, ModelCardPublished,
                     DownloadProgressed, DownloadRemoved, ModelFoldersUnreadable)
     }  # fmt: skip

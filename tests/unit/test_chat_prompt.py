@@ -278,3 +278,47 @@ def test_opencode_turn_renders(smollm: ChatTokenizer) -> None:
     prompt = render_prompt(smollm, chat)
     head = text_of(smollm, ChatPrompt(prompt.tokens[: prompt.system_prompt_length], 0))
     assert all(f'"name": "{tool.name}"' in head for tool in chat.tools)
+
+
+def test_a_final_assistant_message_is_continued(smollm: ChatTokenizer) -> None:
+    """`continue_final_message` (vLLM's field): the reply extends the last
+    assistant message, rendered open, so a reply cut at max_tokens goes on."""
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "Count to ten"},
+                {"role": "assistant", "content": "one, two, three"},
+            ],
+            "continue_final_message": True,
+        }
+    )
+    chat = to_chat_request(body)
+    assert chat.continue_final_message
+    text = text_of(smollm, render_prompt(smollm, chat))
+    assert text.endswith(
+        "<|im_start|>user\nCount to ten<|im_end|>\n<|im_start|>assistant\none, two, three"
+    )
+    # Without it, the assistant message is history and a new one is asked for.
+    answered = text_of(
+        smollm, render_prompt(smollm, chat.model_copy(update={"continue_final_message": False}))
+    )
+    assert answered.endswith("one, two, three<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "Hi"}],
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        ],
+    ],
+)  # fmt: skip
+def test_only_an_assistant_message_can_be_continued(messages: list[dict[str, Any]]) -> None:
+    with pytest.raises(ValueError, match="continue_final_message needs an assistant message"):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": messages, "continue_final_message": True}
+        )

@@ -397,3 +397,27 @@ def test_a_card_of_another_model_is_rejected() -> None:
     command = create(M, rank(B, 0, 4)).model_copy(update={"card": sharded_card(OTHER)})
     with pytest.raises(CommandRejected, match="the card sent describes org/other, not org/m"):
         decide(STATE, command)
+
+
+# --- replicas ------------------------------------------------------------------------
+
+
+def test_replicas_are_placed_on_nodes_of_their_own() -> None:
+    command = place_cmd(max_nodes=1).model_copy(
+        update={"replica_ids": (InstanceId("p2"), InstanceId("p3"))}
+    )
+    events = decide(CLUSTER, command)
+    created = [e.instance for e in events if isinstance(e, InstanceCreated)]
+    assert [i.instance_id for i in created] == ["p", "p2", "p3"]
+    assert sorted(i.ranks[0].node_id for i in created) == [X, Y, Z]
+    assert all(len(i.ranks) == 1 for i in created)
+
+
+def test_replicas_that_do_not_all_fit_place_none() -> None:
+    # Two nodes of 2 GB: the 0.55 GB model fits twice (one per node), not three times.
+    state = State(nodes={X: node(X, 2), Z: node(Z, 2)}, cards={M: CARD})
+    two = place_cmd(max_nodes=1).model_copy(update={"replica_ids": (InstanceId("p2"),)})
+    assert len([e for e in decide(state, two) if isinstance(e, InstanceCreated)]) == 2
+    three = two.model_copy(update={"replica_ids": (InstanceId("p2"), InstanceId("p3"))})
+    with pytest.raises(CommandRejected, match="cannot place 3 replicas of org/m: replica 3"):
+        decide(state, three)

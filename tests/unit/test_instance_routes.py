@@ -97,6 +97,9 @@ class LocalCluster:
     def publish(self, *events: Event) -> None:
         self.published.extend(events)
 
+    def heard_ms(self) -> dict[NodeId, int]:
+        return {}
+
 
 class Hub:
     """A `FileSource` with one repo, `ON_HUB`'s config (no weights are read);
@@ -293,9 +296,9 @@ ERRORS: list[tuple[str, Call, int, str, str]] = [
     ("hub unreachable", lambda c: instance_previews(c.state, Hub(TransientError("reset")), ON_HUB),
      503, "hub_unavailable", "reset"),
     ("too few nodes", lambda c: instance_previews(c.state, Hub(), KNOWN, min_nodes=2),
-     400, "placement_infeasible", "min_nodes=2"),
+     400, "placement_infeasible", "on at least 2 nodes: the cluster has 1 node that can run models"),
     ("bad max_nodes", lambda c: instance_previews(c.state, Hub(), KNOWN, max_nodes=0),
-     400, "placement_infeasible", "max_nodes"),
+     400, "placement_infeasible", "must be 1 or more"),
     ("tensor on one node", lambda c: instance_previews(c.state, Hub(), KNOWN, sharding="tensor"),
      400, "placement_infeasible", "a tensor instance needs at least 2"),
     ("unknown node",

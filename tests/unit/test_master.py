@@ -1,14 +1,21 @@
 """The master: commands carried out (decide -> index -> apply) with their index,
 retries indexed once, office, and its duties (node timeouts, re-placement)."""
 
+import time
 from pathlib import Path
 
 import pytest
 from loguru import logger
 
-from exo.master.master import Master, NotMaster, may_originate, timed_out_nodes
+from exo.master.master import (
+    Master,
+    NotMaster,
+    may_originate,
+    reachability_changes,
+    timed_out_nodes,
+)
 from exo.shared.event_log import EventLog
-from exo.shared.event_store import EventStore
+from exo.shared.event_store import EventStore, now_ms
 from exo.shared.types.commands import CommandRejected, DeleteInstance, PlaceInstance
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.events import (
@@ -20,13 +27,23 @@ from exo.shared.types.events import (
     MasterElected,
     ModelCardPublished,
     ModelFoldersUnreadable,
+    NodeForgotten,
     NodeJoined,
+    NodeReachable,
     NodeTelemetryReported,
     NodeTimedOut,
+    NodeUnreachable,
     RunnerStatusChanged,
 )
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
-from exo.shared.types.state import Instance, InstanceRank, NodeInfo, NodeTelemetry, State
+from exo.shared.types.state import (
+    Instance,
+    InstanceRank,
+    NodeInfo,
+    NodeTelemetry,
+    Relocation,
+    State,
+)
 from tests.unit.sharded_card import GB, sharded_card
 
 A, B, C = NodeId("a"), NodeId("b"), NodeId("c")
@@ -200,6 +217,9 @@ MINE = {RING.instance_id: RING, ALONE.instance_id: ALONE}
         (B, NodeTimedOut(node_id=C), False),
         (B, NodeTimedOut(node_id=B), False),
         (B, MasterElected(master_id=B, term=9), False),
+        (B, NodeUnreachable(node_id=C), False),  # the master's link says who it hears
+        (B, NodeReachable(node_id=B), False),
+        (B, NodeForgotten(node_id=C), False),  # a user's command
     ],
 )
 def test_what_a_node_may_originate(origin: NodeId, event: Event, allowed: bool) -> None:
@@ -415,3 +435,96 @@ def test_a_model_no_survivor_can_take_comes_back_with_its_node(tmp_path: Path) -
     assert again.node_ids == (B,) and again.instance_id != ALONE.instance_id
     master.tend()
     assert list(store.state.instances) == [again.instance_id]  # placed once
+
+
+def _marked(**unreachable: int | None) -> State:
+    return State(
+        nodes={
+            NodeId(n): NodeInfo(
+                node_id=NodeId(n), grpc_address=None, started_at_ms=0, last_seen_ms=0,
+                unreachable_since_ms=since,
+            )
+            for n, since in unreachable.items()
+        }
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("state", "reachable", "expected"),
+    [
+        (_marked(a=None, b=None), {A, B}, []),
+        (_marked(a=None, b=None), {A}, [NodeUnreachable(node_id=B, last_heard_ms=40)]),
+        (_marked(a=None, c=None), {A}, [NodeUnreachable(node_id=C, last_heard_ms=None)]),
+        (_marked(a=None, b=7), {A}, []),  # already marked: not again
+        (_marked(a=None, b=7), {A, B}, [NodeReachable(node_id=B)]),
+        (
+            _marked(a=None, b=7, c=None),
+            {A, B},
+            [NodeReachable(node_id=B), NodeUnreachable(node_id=C, last_heard_ms=None)],
+        ),
+    ],
+)
+def test_reachability_changes(state: State, reachable: set[NodeId], expected: list[Event]) -> None:
+    assert reachability_changes(state, reachable, {B: 40}) == expected
+
+
+def test_a_node_the_link_loses_is_unreachable_in_the_state_at_once_and_reachable_again(
+    tmp_path: Path,
+) -> None:
+    heard = {B: 1_000, C: 1_000}
+    store, master = cluster(tmp_path, heard=heard)
+    master.tend()
+    assert all(n.unreachable_since_ms is None for n in store.state.nodes.values())
+    del heard[C]
+    master.tend()
+    lost = store.state.nodes[C]
+    assert lost.unreachable_since_ms is not None and lost.last_heartbeat_ms == 1_000
+    master.tend()  # told once
+    kinds = [e.kind for e in events_from(store, 0)]
+    assert kinds.count("node_unreachable") == 1
+    heard[C] = 2_000
+    master.tend()
+    assert store.state.nodes[C].unreachable_since_ms is None
+    assert [e.kind for e in events_from(store, 0)].count("node_reachable") == 1
+
+
+def test_an_instance_placed_again_says_where_from_and_why(tmp_path: Path) -> None:
+    heard = {B: 0, C: 0}
+    store, master = cluster(tmp_path, heard=heard)
+    master.execute(
+        "c1",
+        B,
+        PlaceInstance(instance_id=InstanceId("p"), model_id=M, min_nodes=2, max_nodes=2, card=CARD),
+    )
+    placed = store.state.instances[InstanceId("p")]
+    lost = placed.node_ids[-1]
+    del heard[lost]
+    master.tend()
+    [again] = store.state.instances.values()
+    assert again.moved == Relocation(from_nodes=(lost,), reason="node_lost")
+
+
+def test_a_node_the_link_just_dropped_is_timed_out_from_its_last_heartbeat(
+    tmp_path: Path,
+) -> None:
+    """Its events may be old (an idle node publishes none): the link's last word
+    on it counts, though the link no longer lists it."""
+    later = now_ms() + 60_000  # heard "later" than its last event, by far
+    heard = {B: later, C: later}
+    store, master = cluster(tmp_path, node_timeout_seconds=0.05, heard=heard)
+    master.tend()
+    del heard[C]
+    time.sleep(0.1)  # its last event is older than the node timeout now
+    master.tend()
+    assert C in store.state.nodes, "timed out by its old events"
+    assert store.state.nodes[C].unreachable_since_ms is not None
+    assert store.state.nodes[C].last_heartbeat_ms == later
+
+
+def test_timed_out_nodes_counts_the_heartbeat_the_state_recorded() -> None:
+    lost = NodeInfo(
+        node_id=B, grpc_address=None, started_at_ms=0, last_seen_ms=0, last_heartbeat_ms=9_000
+    )
+    state = State(nodes={B: lost})
+    assert timed_out_nodes(state, 10_000, 4_000, A, {}) == []
+    assert timed_out_nodes(state, 14_000, 4_000, A, {}) == [B]

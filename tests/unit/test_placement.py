@@ -277,8 +277,16 @@ def test_the_error_says_when_ram_suffices_but_no_split_fits() -> None:
             PlacementRequest(),
             "no node that runs models has reported its memory yet",
         ),
-        (STATE, PlacementRequest(min_nodes=4), "min_nodes=4 but only 3 node(s) have reported"),
-        (STATE, PlacementRequest(min_nodes=3, max_nodes=2), "max_nodes=2 is less than min_nodes=3"),
+        (
+            STATE,
+            PlacementRequest(min_nodes=4),
+            "on at least 4 nodes: the cluster has 3 nodes that can run models",
+        ),
+        (
+            STATE,
+            PlacementRequest(min_nodes=3, max_nodes=2),
+            "at most 2 nodes and at least 3 nodes were asked for",
+        ),
     ],
 )
 def test_request_errors(state: State, request_: PlacementRequest, message: str) -> None:
@@ -373,7 +381,7 @@ def test_nodes_that_serve_the_model_are_not_candidates() -> None:
     with pytest.raises(
         PlacementError,
         match=re.escape(
-            "m already has an instance on a; only 2 other node(s) can take one (min_nodes=3)"
+            "m already has an instance on a; only 2 other nodes can take one (at least 3 nodes were asked for)"
         ),
     ):
         place(model, state, PlacementRequest(min_nodes=3))
@@ -712,14 +720,14 @@ def test_a_card_without_mlp_widths_is_not_refused() -> None:
         (
             cluster(node("a", 8)),
             TENSOR,
-            "min_nodes=2 but only 1 node(s) have reported telemetry (a tensor instance needs "
-            "at least 2)",
+            "on at least 2 nodes: the cluster has 1 node that can run models (a tensor "
+            "instance needs at least 2)",
         ),
         (
             STATE,
             PlacementRequest(max_nodes=1, sharding="tensor"),
             "a tensor instance needs at least 2 nodes (each holds a slice of every layer), "
-            "not max_nodes=1",
+            "not at most 1 node",
         ),
     ],
 )

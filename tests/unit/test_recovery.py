@@ -14,7 +14,7 @@ from exo.master.recovery import (
     replacement,
     still_served,
 )
-from exo.shared.types.commands import Command, DeleteInstance, PlaceInstance
+from exo.shared.types.commands import DeleteInstance, PlaceInstance
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.runner import RunnerStatus
 from exo.shared.types.state import Instance, InstanceRank, RunnerInfo, State
@@ -121,7 +121,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return fake
 
 
-def kinds(commands: list[Command]) -> list[tuple[str, str]]:
+def kinds(commands: list[DeleteInstance | PlaceInstance]) -> list[tuple[str, str]]:
     """(kind, instance id for deletes / model id for placements)."""
     return [
         (c.kind, c.instance_id if isinstance(c, DeleteInstance) else str(c.model_id))

@@ -7,7 +7,7 @@ from exo.api.routing import cluster_models, coming_status
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.runner import RunnerStatus
 from exo.shared.types.state import State
-from tests.unit.test_apply import I1, I2, MODEL, A, B, inst, runner
+from tests.unit.test_apply import I1, I2, I3, MODEL, A, B, inst, runner
 
 Runs = dict[InstanceId, tuple[NodeId, RunnerStatus | None]]
 
@@ -55,3 +55,116 @@ def test_a_request_is_worth_retrying_only_for_an_instance_on_its_way(
     state = state_of({I1: (first_rank, status)})
     assert coming_status(state, MODEL, A) == expected
     assert coming_status(state, ModelId("org/other"), A) is None
+
+
+# --- replicas: which one serves a request --------------------------------------------
+
+from exo.api.routing import (  # noqa: E402
+    RUNNING_REQUEST_TOKENS,
+    WAITING_REQUEST_TOKENS,
+    Replica,
+    RoutingPolicy,
+    choose_replica,
+    load_tokens,
+    serving_replicas,
+)
+from exo.shared.prefix_digests import DIGEST_TOKENS, prefix_digests  # noqa: E402
+from exo.shared.types.state import NodeInfo, ReplicaReport  # noqa: E402
+
+PROMPT = list(range(40 * DIGEST_TOKENS))
+BLOCKS = prefix_digests(PROMPT)
+
+
+def replica(name: str, cached_blocks: int, load: int, local: bool = False) -> Replica:
+    return Replica(
+        InstanceId(name),
+        NodeId(f"node-{name}"),
+        None if local else f"{name}:52415",
+        load,
+        frozenset(BLOCKS[:cached_blocks]),
+    )
+
+
+SLOTS = 4  # each replica's batch
+
+
+@pytest.mark.parametrize(
+    ("replicas", "policy", "chosen", "reason"),
+    [
+        # The longest cached prefix wins...
+        ([replica("a", 2, 0), replica("b", 12, 0)], "cache-aware", "b", "cache"),
+        # ... even on a busier replica, while its batch has room (a block per request)...
+        ([replica("a", 12, 3), replica("b", 2, 0)], "cache-aware", "a", "cache"),
+        # ... but not where the request would wait for a slot (16 blocks per wait)...
+        ([replica("a", 12, 4), replica("b", 2, 0)], "cache-aware", "b", "load"),
+        # ... unless the cached prefix is worth the wait.
+        ([replica("a", 30, 4), replica("b", 2, 0)], "cache-aware", "a", "cache"),
+        # Nothing cached anywhere: the least loaded, then this node's own.
+        ([replica("a", 0, 3), replica("b", 0, 1)], "cache-aware", "b", "least-loaded"),
+        ([replica("a", 0, 1), replica("b", 0, 1, local=True)], "cache-aware", "b", "least-loaded"),
+        # Equal caches and loads: this node's own.
+        ([replica("a", 5, 1), replica("b", 5, 1, local=True)], "cache-aware", "b", "cache"),
+        # Other policies ignore the cache.
+        ([replica("a", 12, 2), replica("b", 0, 1)], "least-loaded", "b", "least-loaded"),
+        ([replica("a", 12, 0)], "cache-aware", "a", "only"),
+    ],
+)
+def test_the_routing_rule(
+    replicas: list[Replica], policy: RoutingPolicy, chosen: str, reason: str
+) -> None:
+    route = choose_replica(replicas, BLOCKS, policy, slots=SLOTS)
+    assert (route.replica.instance_id, route.reason) == (chosen, reason)
+    expected = len(route.replica.cached) * DIGEST_TOKENS
+    assert route.cached_tokens == expected
+
+
+@pytest.mark.parametrize(
+    ("load", "cost"),
+    [
+        (0, 0),
+        (3, 3 * RUNNING_REQUEST_TOKENS),
+        (4, 4 * RUNNING_REQUEST_TOKENS + WAITING_REQUEST_TOKENS),  # the next one waits
+        (6, 4 * RUNNING_REQUEST_TOKENS + 3 * WAITING_REQUEST_TOKENS),
+    ],
+)
+def test_what_load_costs(load: int, cost: int) -> None:
+    assert load_tokens(load, SLOTS) == cost
+
+
+def test_without_the_prompt_s_digests_the_least_loaded_serves() -> None:
+    replicas = [replica("a", 12, 2), replica("b", 0, 1)]
+    assert choose_replica(replicas, None).replica.instance_id == "b"
+
+
+def test_round_robin_takes_turns() -> None:
+    replicas = [replica("a", 12, 0), replica("b", 0, 5)]
+    chosen = [
+        choose_replica(replicas, BLOCKS, "round-robin", t).replica.instance_id for t in range(4)
+    ]
+    assert chosen == ["a", "b", "a", "b"]
+
+
+def node_info(node_id: NodeId, unreachable: bool = False) -> NodeInfo:
+    return NodeInfo(
+        node_id=node_id, grpc_address=f"{node_id}:52414", api_address=f"{node_id}:52415",
+        started_at_ms=0, last_seen_ms=0, unreachable_since_ms=1 if unreachable else None,
+    )  # fmt: skip
+
+
+def test_the_replicas_that_serve() -> None:
+    C = NodeId("node-c")
+    state = state_of({I1: (A, "running"), I2: (B, "ready"), I3: (C, "ready")}).model_copy(
+        update={
+            "nodes": {A: node_info(A), B: node_info(B), C: node_info(C, unreachable=True)},
+            "replicas": {I2: ReplicaReport(cached=frozenset({7}), load=3)},
+        }
+    )
+    replicas = serving_replicas(state, MODEL, A, local_load=2)
+    assert [(r.instance_id, r.api_address, r.load, r.cached) for r in replicas] == [
+        (I1, None, 2, frozenset()),  # this node's, with its own load
+        (I2, "node-b:52415", 3, frozenset({7})),  # node C is unreachable
+    ]
+    # This node's API does not serve the model (yet): its instance is left out.
+    assert [r.instance_id for r in serving_replicas(state, MODEL, A, None)] == [I2]
+    assert serving_replicas(state, MODEL, A, 2, exclude={I2}) == replicas[:1]
+    assert serving_replicas(state, ModelId("org/other"), A, 0) == []

@@ -99,11 +99,20 @@ class ModelGate:
     limits: AdmissionLimits
     running: int = 0
     mean_hold_seconds: float | None = None
+    # Told the load (running + queued) whenever it changes.
+    on_load: Callable[[ModelId, int], None] = lambda model_id, load: None
     _waiters: deque[anyio.Event] = field(default_factory=deque[anyio.Event])
 
     @property
     def queued(self) -> int:
         return len(self._waiters)
+
+    @property
+    def load(self) -> int:
+        return self.running + self.queued
+
+    def _changed(self) -> None:
+        self.on_load(self.model_id, self.load)
 
     async def acquire(self) -> Slot:
         """A slot, now or after waiting in the queue; a 429 when the queue is
@@ -118,9 +127,11 @@ class ModelGate:
             )
         if decision == "run":
             self.running += 1
+            self._changed()
             return Slot(self)
         handed = anyio.Event()  # set by `release`, which hands its slot over
         self._waiters.append(handed)
+        self._changed()
         try:
             with anyio.fail_after(self.limits.queue_timeout_seconds):
                 await handed.wait()
@@ -129,6 +140,7 @@ class ModelGate:
                 self.release(None)
             else:
                 self._waiters.remove(handed)
+                self._changed()
             if isinstance(error, TimeoutError):
                 raise self._refusal(
                     503,
@@ -151,6 +163,7 @@ class ModelGate:
             self._waiters.popleft().set()  # the slot goes to the first waiter
         else:
             self.running -= 1
+        self._changed()
 
     def _refusal(self, status: int, message: str, code: str) -> APIError:
         retry = retry_after_seconds(self.mean_hold_seconds, self.limits.max_concurrent)
@@ -162,14 +175,24 @@ class ModelGate:
 class Admission:
     """The gates of every model this node serves (made as models come)."""
 
-    def __init__(self, limits: AdmissionLimits) -> None:
+    def __init__(
+        self,
+        limits: AdmissionLimits,
+        on_load: Callable[[ModelId, int], None] = lambda model_id, load: None,
+    ) -> None:
+        """`on_load`: a model's load (requests running or waiting), as it changes."""
         self.limits = limits
+        self.on_load = on_load
         self.gates: dict[ModelId, ModelGate] = {}
 
     def gate(self, model_id: ModelId) -> ModelGate:
         if model_id not in self.gates:
-            self.gates[model_id] = ModelGate(model_id, self.limits)
+            self.gates[model_id] = ModelGate(model_id, self.limits, on_load=self.on_load)
         return self.gates[model_id]
+
+    def load(self, model_id: ModelId) -> int:
+        gate = self.gates.get(model_id)
+        return gate.load if gate is not None else 0
 
 
 @dataclass

@@ -8,8 +8,11 @@ from starlette.responses import Response
 
 from exo.api import anthropic
 from exo.api.anthropic_types import CountTokensRequest, MessagesRequest, TokenCount
+from exo.api.dispatch import dispatch
 from exo.api.generation import count_prompt_tokens, prepare_reply
 from exo.api.serving import ModelRouter, Relay, relay, sse_response, until_disconnect
+from exo.shared.types.chat import ChatRequest
+from exo.worker.served_model import ServedModel
 
 _ID_CHARACTERS = string.ascii_letters + string.digits
 
@@ -24,17 +27,20 @@ def anthropic_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter
 
     @routes.post("/v1/messages", response_model=None)
     async def messages(body: MessagesRequest, request: Request) -> Response | dict[str, object]:
-        model = router.find(body.model)
-        if isinstance(model, Relay):
-            return await relay(model, request)
-        chat = anthropic.to_chat_request(body).model_copy(update={"model": model.model_id})
-        reply = await prepare_reply(model, chat, keepalive_seconds, anthropic_tool_use_id)
-        show_thinking = anthropic.shows_thinking(body)
-        if body.stream:
-            return sse_response(anthropic.message_stream(reply, show_thinking))
-        return await until_disconnect(
-            request, lambda: anthropic.message_response(reply, show_thinking)
-        )
+        def chat_for(model: ServedModel) -> ChatRequest:
+            return anthropic.to_chat_request(body).model_copy(update={"model": model.model_id})
+
+        async def answer(model: ServedModel) -> Response | dict[str, object]:
+            chat = chat_for(model)
+            reply = await prepare_reply(model, chat, keepalive_seconds, anthropic_tool_use_id)
+            show_thinking = anthropic.shows_thinking(body)
+            if body.stream:
+                return sse_response(anthropic.message_stream(reply, show_thinking))
+            return await until_disconnect(
+                request, lambda: anthropic.message_response(reply, show_thinking)
+            )
+
+        return await dispatch(router, body.model, request, chat_for, answer)
 
     @routes.post("/v1/messages/count_tokens", response_model=None)
     async def count_tokens(body: CountTokensRequest, request: Request) -> Response | TokenCount:

@@ -18,15 +18,19 @@ from exo.api.anthropic_routes import anthropic_routes
 from exo.api.auth import AccessMiddleware, APIAccess
 from exo.api.dashboard import dashboard_routes
 from exo.api.errors import install_error_handlers, invalid
-from exo.api.instances import instance_routes
+from exo.api.instances import instance_routes, send_command
 from exo.api.metrics import MetricsMiddleware, ServingMetrics
 from exo.api.model_alias import ModelAlias
 from exo.api.ollama_routes import ollama_routes
 from exo.api.openai_routes import openai_routes
 from exo.api.responses_routes import responses_routes
+from exo.api.routing import RoutingPolicy
 from exo.api.serving import ModelRouter, relay_read_timeout
 from exo.shared.cluster_view import ClusterView
-from exo.shared.types.ids import ModelId
+from exo.shared.event_store import now_ms
+from exo.shared.replica_reports import report_load
+from exo.shared.types.commands import ForgetNode
+from exo.shared.types.ids import ModelId, NodeId
 from exo.worker.downloads.hub import HubSource, hub_enabled
 from exo.worker.served_model import ServedModel
 
@@ -37,6 +41,13 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+def node_label(cluster: ClusterView) -> str:
+    """ "node 3f2a9c1b (studio.local)": this node as messages name it."""
+    info = cluster.state.nodes.get(cluster.node_id)
+    host = info.hostname if info else None
+    return f"node {cluster.node_id}" + (f" ({host})" if host else "")
+
+
 def create_app(
     models: dict[ModelId, ServedModel],
     cluster: ClusterView,
@@ -45,22 +56,33 @@ def create_app(
     aliases: Sequence[ModelAlias] = (),
     limits: AdmissionLimits | None = None,
     access: APIAccess | None = None,
+    routing: RoutingPolicy = "cache-aware",
 ) -> FastAPI:
     app = FastAPI(title="exo", version="0.1.0")
     install_error_handlers(app)
     limits = limits or AdmissionLimits()
-    admission = Admission(limits)
+    admission = Admission(
+        limits, on_load=lambda model_id, load: report_load(cluster, model_id, load)
+    )
     metrics = ServingMetrics(models, cluster, admission)
     # The last added runs first: count every request, refuse those without
     # access, refuse large bodies before anything reads them, then admission
     # for the generation routes.
     app.add_middleware(AdmissionMiddleware, admission=admission)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_body_bytes)
-    app.add_middleware(AccessMiddleware, access=access or APIAccess())
+    app.add_middleware(
+        AccessMiddleware, access=access or APIAccess(), node_label=lambda: node_label(cluster)
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     router = ModelRouter(
-        models, cluster, aliases, relay_read_timeout_seconds=relay_read_timeout(keepalive_seconds)
+        models,
+        cluster,
+        aliases,
+        relay_read_timeout_seconds=relay_read_timeout(keepalive_seconds),
+        policy=routing,
+        local_load=admission.load,
+        slots=limits.max_concurrent,
     )
     app.include_router(openai_routes(router, keepalive_seconds))
     app.include_router(anthropic_routes(router, keepalive_seconds))
@@ -74,14 +96,25 @@ def create_app(
 
     @app.get("/cluster")
     async def cluster_info() -> dict[str, Any]:
-        """This node's view of the cluster link: who is master, where the log resumed."""
+        """This node's view of the cluster link: who is master, where the log
+        resumed, and when its link last heard each peer (`heard_ms`, wall-clock
+        ms, with this node's clock as `now_ms`: heartbeats are not events)."""
         return {
             "node_id": cluster.node_id,
             "address": cluster.address,
             "master_id": cluster.master_id,
             "resumed_from_idx": cluster.resumed_from_idx,
             "last_applied_idx": cluster.state.last_idx,
+            "now_ms": now_ms(),
+            "heard_ms": dict(cluster.heard_ms()),
         }
+
+    @app.delete("/nodes/{node_id}")
+    async def forget_node(node_id: str) -> dict[str, str]:
+        """Forget a node that timed out (the dashboard keeps such nodes visible
+        as gone until a user forgets them); a node still in the cluster is a 400."""
+        await send_command(cluster, ForgetNode(node_id=NodeId(node_id)))
+        return {"forgotten": node_id}
 
     @app.get("/v1/cache/stats")
     async def cache_stats() -> dict[str, Any]:

@@ -15,6 +15,7 @@ as `Host`, so it gets a 403 rather than the cluster.
 
 import hmac
 import ipaddress
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from starlette.requests import Request
@@ -90,8 +91,12 @@ def is_public(path: str) -> bool:
     return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
 
 
-def access_error(request: Request, access: APIAccess) -> APIError | None:
-    """Why `request` may not use the API; None when it may."""
+def access_error(
+    request: Request, access: APIAccess, node_label: str | None = None
+) -> APIError | None:
+    """Why `request` may not use the API; None when it may. `node_label` names
+    this node (its id and host name) in a refusal, so that a user who reaches
+    several nodes knows which one asked for a key."""
     if access.loopback_only:
         host = host_of(request.headers.get("host", ""))
         if not is_loopback_address(host):
@@ -116,9 +121,16 @@ def access_error(request: Request, access: APIAccess) -> APIError | None:
         and not is_public(request.url.path)
         and not key_matches(presented_key(request), access.api_key)
     ):
+        presented = presented_key(request)
+        who = f"{node_label or 'this node'} at {request.headers.get('host', '?')}"
+        problem = (
+            "needs an API key"
+            if presented is None
+            else "refused the API key it was sent (not this node's key)"
+        )
         return APIError(
             401,
-            "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+            f"{who} {problem}: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
             "invalid_request_error",
             "invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
@@ -130,16 +142,20 @@ class AccessMiddleware:
     """Answers a request that may not use the API (`access_error`) before any
     route sees it."""
 
-    def __init__(self, app: ASGIApp, access: APIAccess) -> None:
+    def __init__(
+        self, app: ASGIApp, access: APIAccess, node_label: Callable[[], str] | None = None
+    ) -> None:
         self.app = app
         self.access = access
+        self.node_label = node_label
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         request = Request(scope)
-        error = access_error(request, self.access)
+        label = self.node_label() if self.node_label else None
+        error = access_error(request, self.access, label)
         if error is None:
             await self.app(scope, receive, send)
             return

@@ -5,6 +5,11 @@ syntax exo parses; otherwise exo's fallback teaches its own syntax in the
 system prompt and writes calls and results in history as text. Either way a
 history is rendered exactly as the model wrote it, so the next turn's prompt
 extends the cached one token for token.
+
+A request with `continue_final_message` ends with an assistant turn whose text
+is the start of the reply: it is rendered open (no end-of-turn, no generation
+prompt), so the model goes on writing it — a reply cut at `max_tokens`,
+continued, reads as one answer.
 """
 
 import contextlib
@@ -12,6 +17,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from jinja2 import TemplateError
 
 from exo.engine.token_trie import common_prefix_length
 from exo.engine.tool_calls.fallback import fallback_chat_turns
@@ -95,7 +102,20 @@ def _encode(
     messages: list[dict[str, Any]],
     generation: bool,
     template_kwargs: dict[str, Any],
+    continue_final: bool = False,
 ) -> list[int]:
+    if continue_final:
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, continue_final_message=True, tokenize=False, **template_kwargs
+            )
+        except ValueError as error:  # transformers: the template drops part of it
+            raise TemplateError(
+                "the final assistant message cannot be continued: the chat template "
+                "does not render it as sent"
+            ) from error
+        assert isinstance(text, str)
+        return list(tokenizer.encode(text, add_special_tokens=False))
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=generation, tokenize=False, **template_kwargs
     )
@@ -146,5 +166,6 @@ def render_prompt(tokenizer: ChatTokenizer, request: ChatRequest) -> ChatPrompt:
     else:
         turns = fallback_chat_turns(request.turns, tools, request.tool_choice)
     messages = _template_messages(turns, template)
-    tokens = _encode(tokenizer, messages, True, template_kwargs)
+    continue_final = request.continue_final_message and messages[-1]["role"] == "assistant"
+    tokens = _encode(tokenizer, messages, not continue_final, template_kwargs, continue_final)
     return ChatPrompt(tokens, _system_prompt_length(tokenizer, messages, tokens, template_kwargs))

@@ -57,7 +57,14 @@ from exo.shared.types.chat import (
 from exo.shared.types.constraints import Constraint, JsonObject, JsonSchema, ToolCalls, ToolSpec
 from exo.shared.types.ids import new_task_id
 from exo.shared.types.tasks import REPETITION_CONTEXT_SIZE, GenerationParams, SampledLogprobs
-from exo.worker.runner.protocol import Generate, TaskFailed, TaskFinished, TaskMessage, TaskText
+from exo.worker.runner.protocol import (
+    Generate,
+    MemoryRefusal,
+    TaskFailed,
+    TaskFinished,
+    TaskMessage,
+    TaskText,
+)
 from exo.worker.runner.supervisor import RunnerUnavailable
 from exo.worker.served_model import ServedModel
 
@@ -66,6 +73,16 @@ def runner_unavailable(reason: str) -> APIError:
     return APIError(
         503, f"the model runner is unavailable: {reason}", "server_error", "runner_unavailable"
     )
+
+
+def memory_refused(message: str, refusal: MemoryRefusal) -> APIError:
+    """The runner's memory admission refused the request: a 400 when it could
+    never fit (the message names the largest max_tokens that does), else a 503
+    to retry after running requests finish."""
+    if refusal.never_fits:
+        return invalid(message, "max_tokens", "insufficient_memory")
+    retry = {"Retry-After": str(refusal.retry_after_seconds)}
+    return APIError(503, message, "server_error", "insufficient_memory", headers=retry)
 
 
 def generation_failed(reason: str) -> APIError:
@@ -348,6 +365,8 @@ class _Run:
                                 reasoning_tokens=thought,
                             )
                             return
+                        case TaskFailed(error=error, memory=MemoryRefusal() as refusal):
+                            raise memory_refused(error, refusal)
                         case TaskFailed(error=error, runner_lost=True):
                             raise runner_unavailable(error)
                         case TaskFailed(error=error):

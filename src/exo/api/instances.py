@@ -5,9 +5,10 @@ Each route is a function of what it reads and acts on (the cluster, the hub,
 this node's model files), testable without a server; `instance_routes` only
 wires them to paths."""
 
+import difflib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
@@ -33,6 +34,7 @@ from exo.shared.types.commands import (
 from exo.shared.types.ids import InstanceId, ModelId, NodeId, new_instance_id
 from exo.shared.types.model_card import ModelCard
 from exo.shared.types.state import Instance, InstanceRank, Sharding, State
+from exo.worker.downloads.hub import OFFLINE_ADVICE
 
 HUB_CARD_TIMEOUT_SECONDS = 60.0
 # How long POST /place_instance waits for the new instance to show in the state.
@@ -40,6 +42,7 @@ PLACED_WAIT_SECONDS = 10.0
 AWAIT_DEFAULT_TIMEOUT_SECONDS = 600.0
 MAX_AWAIT_TIMEOUT_SECONDS = 86_400.0
 AWAIT_KEEPALIVE_SECONDS = 10.0
+MAX_REPLICAS = 64
 
 # Deletes this node's copy of a model; False when it has no writable copy.
 DeleteModelFiles = Callable[[ModelId], Awaitable[bool]]
@@ -56,6 +59,11 @@ class PlaceRequest(BaseModel):
     max_nodes: int | None = Field(default=None, ge=1)
     # "tensor": every node a slice of every layer (at least 2 nodes).
     sharding: Sharding = "pipeline"
+    # Instances of the model to place, each on nodes of its own (all or none).
+    replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS)
+    # Exactly these ranks (one of `GET /instance/previews`' placements), rather
+    # than the best placement the master finds.
+    ranks: tuple[InstanceRank, ...] | None = Field(default=None, min_length=1)
 
 
 def model_id_param(value: str, param: str = "model_id") -> ModelId:
@@ -88,6 +96,8 @@ def instance_view(state: State, instance: Instance) -> dict[str, Any]:
         "sharding": instance.sharding,
         "ring_hosts": list(instance.ring_hosts),
         "ranks": ranks,
+        # Set when the master placed the model again after a failure: from where, why.
+        "moved": instance.moved.model_dump(mode="json") if instance.moved else None,
     }
 
 
@@ -104,36 +114,61 @@ async def send_command(cluster: ClusterView, command: Command) -> int:
         raise APIError(503, str(error), "server_error", "cluster_unavailable") from error
 
 
+def close_model_ids(model_id: str, known: Iterable[str]) -> list[str]:
+    """The known model ids `model_id` may be a typo of, closest first (a short
+    name matches its id's last part: "smollm2-135m-instruc" -> SmolLM2-135M-Instruct)."""
+    by_name: dict[str, str] = {}
+    for known_id in sorted(known):
+        by_name.setdefault(known_id.lower(), known_id)
+        by_name.setdefault(known_id.rsplit("/", 1)[-1].lower(), known_id)
+    wanted = model_id.lower()
+    names = difflib.get_close_matches(wanted, by_name, n=6, cutoff=0.75)
+    names += difflib.get_close_matches(wanted.rsplit("/", 1)[-1], by_name, n=6, cutoff=0.75)
+    return list(dict.fromkeys(by_name[name] for name in names))[:3]
+
+
+def _did_you_mean(model_id: str, known: Iterable[str]) -> str:
+    close = close_model_ids(model_id, known)
+    return f"did you mean {' or '.join(close)}? " if close else ""
+
+
 async def known_card(state: State, model_id: ModelId, hub: FileSource | None) -> ModelCard:
-    """The model's card: from the state, else from the hub (None: the hub is off)."""
+    """The model's card: from the state, else from the hub (None: the hub is
+    off). An id close to a model the cluster knows that is not a hub id
+    (`org/name`) is a typo: "did you mean …?", without asking the hub."""
     card = state.cards.get(model_id)
     if card is not None:
         return card
     where = "a node's models directory (or a read-only one: EXO_MODELS_READ_ONLY_DIRS)"
-    if hub is None:
-        raise APIError(
+    suggestion = _did_you_mean(model_id, state.cards)
+
+    def not_found(why: str) -> APIError:
+        return APIError(
             404,
-            f"no node has model {model_id!r} (models the cluster knows: "
-            f"{', '.join(sorted(state.cards)) or 'none'}); put it in {where}",
+            f"no node has model {model_id!r}{why}: {suggestion}"
+            f"to serve it, put its folder in {where}",
             "invalid_request_error",
             "model_not_found",
             "model_id",
         )
+
+    if hub is None or (suggestion and "/" not in model_id):
+        known = ", ".join(sorted(state.cards)) or "none"
+        raise not_found(f" (models the cluster knows: {known})")
     try:
         with anyio.fail_after(HUB_CARD_TIMEOUT_SECONDS):
             return await card_from_source(hub, model_id)
     except SourceUnavailable as error:
+        raise not_found(f" and the hub does not either ({error})") from error
+    except TransientError as error:
+        raise APIError(503, f"{suggestion}{error}", "server_error", "hub_unavailable") from error
+    except TimeoutError as error:
         raise APIError(
-            404,
-            f"no node has model {model_id!r} and the hub does not either ({error}); "
-            f"put it in {where}",
-            "invalid_request_error",
-            "model_not_found",
-            "model_id",
-        ) from error
-    except (TransientError, TimeoutError) as error:
-        raise APIError(
-            503, f"the hub is unreachable: {error}", "server_error", "hub_unavailable"
+            503,
+            f"{suggestion}the Hugging Face hub did not answer within "
+            f"{HUB_CARD_TIMEOUT_SECONDS:.0f}s; {OFFLINE_ADVICE}",
+            "server_error",
+            "hub_unavailable",
         ) from error
     except (DownloadError, ModelCardError) as error:
         raise invalid(f"cannot describe {model_id}: {error}", code="bad_model") from error
@@ -187,6 +222,21 @@ async def place_instance(
     model_id = model_id_param(body.model_id)
     card = await known_card(cluster.state, model_id, hub)
     instance_id = new_instance_id()
+    if body.ranks is not None and body.replicas > 1:
+        raise invalid("ranks place one instance: leave replicas out, or the ranks", "replicas")
+    if body.ranks is not None:  # a previewed placement, as it was shown
+        last_idx = await send_command(
+            cluster,
+            CreateInstance(
+                instance_id=instance_id,
+                model_id=model_id,
+                ranks=body.ranks,
+                sharding=body.sharding,
+                card=card,
+            ),
+        )
+        return await placed(cluster, instance_id, last_idx)
+    replica_ids = tuple(new_instance_id() for _ in range(body.replicas - 1))
     last_idx = await send_command(
         cluster,
         PlaceInstance(
@@ -196,9 +246,17 @@ async def place_instance(
             max_nodes=body.max_nodes,
             sharding=body.sharding,
             card=card,  # the master publishes it with the instance if it is new
+            replica_ids=replica_ids,
         ),
     )
-    return await placed(cluster, instance_id, last_idx)
+    first = await placed(cluster, instance_id, last_idx)
+    if not replica_ids:
+        return first
+    # Each replica as one instance is shown (the first's fields at the top, as before).
+    return {
+        **first,
+        "replicas": [first, *[await placed(cluster, i, last_idx) for i in replica_ids]],
+    }
 
 
 async def instance_previews(
@@ -219,8 +277,14 @@ async def instance_previews(
     card = await known_card(state, model_id_param(model_id), hub)
     try:
         request = PlacementRequest(min_nodes=min_nodes, max_nodes=max_nodes, sharding=sharding)
+    except ValidationError as error:
+        raise invalid(
+            "the number of nodes asked for (at least, at most) must be 1 or more",
+            code="placement_infeasible",
+        ) from error
+    try:
         placements = preview(card, state, request)
-    except (PlacementError, ValidationError) as error:
+    except PlacementError as error:
         raise invalid(str(error), code="placement_infeasible") from error
     return {
         "model_id": card.model_id,

@@ -217,6 +217,17 @@ class ServingMetrics:
             "exo_accepted_draft_tokens", "Draft tokens the model accepted", ["model"],
             registry=r,
         )  # fmt: skip
+        self.routed = Counter(
+            "exo_routed_requests",
+            "Requests this node sent to a replica of the model, by why (cache, load, "
+            "least-loaded, round-robin, only) and where (this node, another)",
+            ["model", "reason", "target"], registry=r,
+        )  # fmt: skip
+        self.routed_cached_tokens = Counter(
+            "exo_routed_expected_cached_tokens",
+            "Prompt tokens the chosen replica was expected to have cached",
+            ["model"], registry=r,
+        )  # fmt: skip
         r.register(_ScrapedState(models, cluster, admission))
 
     def observer(self, model_id: ModelId) -> GenerationObserver:
@@ -227,6 +238,15 @@ class ServingMetrics:
 
 
 _current: ContextVar[ServingMetrics | None] = ContextVar("exo_metrics", default=None)
+
+
+def observe_route(model_id: ModelId, reason: str, local: bool, cached_tokens: int) -> None:
+    """Count where the current request was routed (nothing outside an app)."""
+    metrics = _current.get()
+    if metrics is not None:
+        target = "local" if local else "remote"
+        metrics.routed.labels(model_id, reason, target).inc()
+        metrics.routed_cached_tokens.labels(model_id).inc(cached_tokens)
 
 
 def observe_generation(model_id: ModelId) -> GenerationObserver | None:

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from exo.api import ollama, ollama_models
+from exo.api.dispatch import dispatch
 from exo.api.errors import APIError
 from exo.api.generation import prepare_reply
 from exo.api.instances import PlaceRequest, model_id_param, place_instance
@@ -22,6 +23,7 @@ from exo.api.routing import cluster_models
 from exo.api.serving import ModelRouter, Relay, ndjson_response, relay, until_disconnect
 from exo.models.file_source import FileSource
 from exo.shared.types.chat import ChatRequest
+from exo.worker.served_model import ServedModel
 
 # How Ollama's server answers `/`: clients check with it that a server is up.
 OLLAMA_ROOT_TEXT = "Ollama is running"
@@ -59,17 +61,24 @@ def ollama_routes(
         """A chat or generate: `empty` (no messages or prompt) only loads the
         model, as Ollama answers it; a model served elsewhere is relayed."""
         started = time.monotonic_ns()
-        model = router.find(ollama.model_name(name))
         if empty:
+            model = router.find(ollama.model_name(name))
             return JSONResponse(ollama.loaded(model.model_id, shape))
-        if isinstance(model, Relay):
-            return await relay(model, request)
-        chat = translate().model_copy(update={"model": model.model_id})
-        reply = await prepare_reply(model, chat, keepalive_seconds)
-        assembler = ollama.ReplyAssembler(reply, shape, started)
-        if chat.stream:
-            return ndjson_response(ollama.reply_lines(assembler))
-        return JSONResponse(await until_disconnect(request, lambda: ollama.reply_object(assembler)))
+
+        def chat_for(model: ServedModel) -> ChatRequest:
+            return translate().model_copy(update={"model": model.model_id})
+
+        async def reply_with(model: ServedModel) -> Response:
+            chat = chat_for(model)
+            reply = await prepare_reply(model, chat, keepalive_seconds)
+            assembler = ollama.ReplyAssembler(reply, shape, started)
+            if chat.stream:
+                return ndjson_response(ollama.reply_lines(assembler))
+            return JSONResponse(
+                await until_disconnect(request, lambda: ollama.reply_object(assembler))
+            )
+
+        return await dispatch(router, ollama.model_name(name), request, chat_for, reply_with)
 
     @routes.post("/api/chat", response_model=None)
     async def chat(body: OllamaChatRequest, request: Request) -> Response:

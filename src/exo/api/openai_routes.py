@@ -3,6 +3,7 @@
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from exo.api.dispatch import dispatch
 from exo.api.generation import prepare_reply
 from exo.api.openai_chat import (
     chat_completion,
@@ -20,7 +21,9 @@ from exo.api.openai_types import (
     ModelObject,
 )
 from exo.api.routing import cluster_models
-from exo.api.serving import ModelRouter, Relay, relay, sse_response, until_disconnect
+from exo.api.serving import ModelRouter, sse_response, until_disconnect
+from exo.shared.types.chat import ChatRequest
+from exo.worker.served_model import ServedModel
 
 
 def openai_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
@@ -48,24 +51,30 @@ def openai_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
     async def chat_completions(
         body: ChatCompletionRequest, request: Request
     ) -> Response | ChatCompletion:
-        model = router.find(body.model)
-        if isinstance(model, Relay):
-            return await relay(model, request)
-        chat = to_chat_request(body).model_copy(update={"model": model.model_id})
-        reply = await prepare_reply(model, chat, keepalive_seconds)
-        if chat.stream:
-            return sse_response(chat_completion_stream(reply, chat.include_usage))
-        return await until_disconnect(request, lambda: chat_completion(reply))
+        def chat_for(model: ServedModel) -> ChatRequest:
+            return to_chat_request(body).model_copy(update={"model": model.model_id})
+
+        async def answer(model: ServedModel) -> Response | ChatCompletion:
+            chat = chat_for(model)
+            reply = await prepare_reply(model, chat, keepalive_seconds)
+            if chat.stream:
+                return sse_response(chat_completion_stream(reply, chat.include_usage))
+            return await until_disconnect(request, lambda: chat_completion(reply))
+
+        return await dispatch(router, body.model, request, chat_for, answer)
 
     @routes.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response | Completion:
-        model = router.find(body.model)
-        if isinstance(model, Relay):
-            return await relay(model, request)
-        chat = completion_to_chat_request(body).model_copy(update={"model": model.model_id})
-        reply = await prepare_reply(model, chat, keepalive_seconds)
-        if chat.stream:
-            return sse_response(text_completion_stream(reply, chat.include_usage))
-        return await until_disconnect(request, lambda: text_completion(reply))
+        def chat_for(model: ServedModel) -> ChatRequest:
+            return completion_to_chat_request(body).model_copy(update={"model": model.model_id})
+
+        async def answer(model: ServedModel) -> Response | Completion:
+            chat = chat_for(model)
+            reply = await prepare_reply(model, chat, keepalive_seconds)
+            if chat.stream:
+                return sse_response(text_completion_stream(reply, chat.include_usage))
+            return await until_disconnect(request, lambda: text_completion(reply))
+
+        return await dispatch(router, body.model, request, chat_for, answer)
 
     return routes

@@ -137,6 +137,7 @@ def to_chat_request(body: ChatCompletionRequest) -> ChatRequest:
         include_usage=body.include_usage(),
         speculation=body.speculation is not False,
         prediction=body.prediction.text() if body.prediction is not None else None,
+        continue_final_message=bool(body.continue_final_message),
     )
 
 

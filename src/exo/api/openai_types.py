@@ -355,6 +355,9 @@ class ChatCompletionRequest(CommonRequestFields):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: ReasoningEffort | None = None
     prediction: PredictionParam | None = None
+    # vLLM's extension: the last message, an assistant one, is continued (its
+    # text is the start of the reply) rather than answered by a new message.
+    continue_final_message: bool | None = None
     # rejected when set (REJECTED_CHAT_FIELDS)
     audio: Any = None
     web_search_options: Any = None
@@ -449,6 +452,19 @@ class ChatCompletionRequest(CommonRequestFields):
             raise unsupported("top_logprobs needs logprobs: true")
         return top
 
+    @field_validator("continue_final_message")
+    @classmethod
+    def _assistant_last(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        messages = info.data.get("messages")
+        if not value or not messages:
+            return value  # (invalid messages: that error is reported)
+        last = messages[-1]
+        if not isinstance(last, AssistantMessageParam) or last.tool_calls:
+            raise unsupported(
+                "continue_final_message needs an assistant message without tool calls last"
+            )
+        return value
+
 
 # Honoured; `n` only as 1 and `modalities` only as ["text"]. With the two
 # lists above these name every field (a test checks it).
@@ -482,6 +498,7 @@ HONOURED_CHAT_FIELDS = frozenset(
         "reasoning_effort",
         "prediction",
         "speculation",
+        "continue_final_message",
     }
 )
 

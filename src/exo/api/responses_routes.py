@@ -4,9 +4,12 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from exo.api import responses
+from exo.api.dispatch import dispatch
 from exo.api.generation import prepare_reply
 from exo.api.responses_types import ResponsesRequest
-from exo.api.serving import ModelRouter, Relay, relay, sse_response, until_disconnect
+from exo.api.serving import ModelRouter, sse_response, until_disconnect
+from exo.shared.types.chat import ChatRequest
+from exo.worker.served_model import ServedModel
 
 
 def responses_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
@@ -16,13 +19,15 @@ def responses_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter
     async def create_response(
         body: ResponsesRequest, request: Request
     ) -> Response | dict[str, object]:
-        model = router.find(body.model)
-        if isinstance(model, Relay):
-            return await relay(model, request)
-        chat = responses.to_chat_request(body).model_copy(update={"model": model.model_id})
-        reply = await prepare_reply(model, chat, keepalive_seconds)
-        if body.stream:
-            return sse_response(responses.response_stream(reply, body))
-        return await until_disconnect(request, lambda: responses.response_object(reply, body))
+        def chat_for(model: ServedModel) -> ChatRequest:
+            return responses.to_chat_request(body).model_copy(update={"model": model.model_id})
+
+        async def answer(model: ServedModel) -> Response | dict[str, object]:
+            reply = await prepare_reply(model, chat_for(model), keepalive_seconds)
+            if body.stream:
+                return sse_response(responses.response_stream(reply, body))
+            return await until_disconnect(request, lambda: responses.response_object(reply, body))
+
+        return await dispatch(router, body.model, request, chat_for, answer)
 
     return routes

@@ -1,8 +1,15 @@
-"""Which node serves a model this node does not: pure, over the cluster state.
+"""Which instance serves a request: pure, over the cluster state.
 
-Requests go to an instance's first rank (the runner that takes tasks)."""
+Requests go to an instance's first rank (the runner that takes tasks). With
+several instances of a model (replicas), the one whose prefix cache holds the
+longest prefix of the prompt wins, unless it is much busier (`choose_replica`)."""
 
-from exo.shared.types.ids import ModelId, NodeId
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from exo.shared.prefix_digests import cached_prefix_tokens
+from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.state import State
 
 SERVING = ("ready", "running")
@@ -11,24 +18,118 @@ COMING = ("downloading", "starting", "loading")
 _ADVANCE = {"failed": 0, "downloading": 1, "starting": 1, "loading": 1, "ready": 2, "running": 2}
 
 
-def remote_api_for(state: State, model_id: ModelId, self_id: NodeId) -> str | None:
-    """The API address (host:port) of another node whose instance of `model_id`
-    serves, preferring an idle one; None when there is none."""
-    choices = []
-    for _, instance in sorted(state.instances.items()):
+RoutingPolicy = Literal["cache-aware", "least-loaded", "round-robin"]
+ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("cache-aware", "least-loaded", "round-robin")
+# What a request ahead on a replica costs a new one there, in prompt tokens it
+# could prefill meanwhile: little while it runs beside it in the batch (a batch
+# decodes its rows together), much when the new one has to wait for a slot.
+RUNNING_REQUEST_TOKENS = 128
+WAITING_REQUEST_TOKENS = 2048
+
+RouteReason = Literal["cache", "load", "least-loaded", "round-robin", "only"]
+
+
+@dataclass(frozen=True)
+class Replica:
+    """An instance of the model that serves, as the routing sees it."""
+
+    instance_id: InstanceId
+    node_id: NodeId  # its first rank's node, which takes its requests
+    api_address: str | None  # None: this node's own (served without a relay)
+    load: int  # requests running or waiting on it
+    cached: frozenset[int] = frozenset()  # its prefix cache's digests
+
+    @property
+    def local(self) -> bool:
+        return self.api_address is None
+
+
+@dataclass(frozen=True)
+class Route:
+    replica: Replica
+    reason: RouteReason
+    cached_tokens: int  # of the prompt, expected in its cache (to within a block)
+
+
+def serving_replicas(
+    state: State,
+    model_id: ModelId,
+    self_id: NodeId,
+    local_load: int | None,
+    exclude: Collection[InstanceId] = (),
+) -> list[Replica]:
+    """The instances of `model_id` that serve, ordered by id: this node's own
+    (with `local_load`, None when it has none) and those of other nodes whose
+    API is known and whose node the master has not lost."""
+    replicas: list[Replica] = []
+    for instance_id, instance in sorted(state.instances.items()):
         first = instance.ranks[0].node_id
         node = state.nodes.get(first)
-        status = state.instance_status(instance)
         if (
             instance.model_id != model_id
-            or first == self_id
+            or instance_id in exclude
             or node is None
-            or node.api_address is None
-            or status not in SERVING
+            or node.unreachable_since_ms is not None
+            or state.instance_status(instance) not in SERVING
         ):
             continue
-        choices.append((status != "ready", node.api_address))
-    return min(choices)[1] if choices else None
+        report = state.replicas.get(instance_id)
+        cached = report.cached if report else frozenset[int]()
+        if first == self_id:
+            if local_load is not None:
+                replicas.append(Replica(instance_id, first, None, local_load, cached))
+        elif node.api_address is not None:
+            load = report.load if report else 0
+            replicas.append(Replica(instance_id, first, node.api_address, load, cached))
+    return replicas
+
+
+def load_tokens(load: int, slots: int) -> int:
+    """What `load` requests running or waiting on a replica with `slots` slots
+    (its batch, `--max-concurrent`) cost a new request there, in prompt tokens."""
+    running = min(load, slots)
+    waiting = max(0, load - slots + 1)  # finishing requests the new one waits for
+    return RUNNING_REQUEST_TOKENS * running + WAITING_REQUEST_TOKENS * waiting
+
+
+def choose_replica(
+    replicas: Sequence[Replica],
+    prompt_digests: Sequence[int] | None,
+    policy: RoutingPolicy = "cache-aware",
+    turn: int = 0,
+    slots: int = 8,
+) -> Route:
+    """Where a request goes. Cache-aware: the least cost, where a replica costs
+    the prompt tokens it has not cached plus what its load costs (`load_tokens`:
+    the replica's batch of `slots` slots being full costs most); so the longest
+    cached prefix wins unless requests would wait there. Ties (nothing cached
+    anywhere, or no prompt digests: a node without the model's tokenizer) go
+    to the least loaded, then this node's own. `turn` picks the round-robin
+    replica."""
+    if not replicas:
+        raise ValueError("no replica to choose from")
+    cached = {r.instance_id: cached_prefix_tokens(prompt_digests or (), r.cached) for r in replicas}
+    if len(replicas) == 1:
+        only = replicas[0]
+        return Route(only, "only", cached[only.instance_id])
+    if policy == "round-robin":
+        chosen = replicas[turn % len(replicas)]
+        return Route(chosen, "round-robin", cached[chosen.instance_id])
+
+    def by_load(r: Replica) -> tuple[int, bool, str]:
+        return (r.load, not r.local, r.instance_id)
+
+    if policy == "least-loaded" or not any(cached.values()):
+        chosen = min(replicas, key=by_load)
+        return Route(chosen, "least-loaded", cached[chosen.instance_id])
+
+    def cost(r: Replica) -> tuple[int, int, bool, str]:
+        return (load_tokens(r.load, slots) - cached[r.instance_id], *by_load(r))
+
+    chosen = min(replicas, key=cost)
+    best = max(cached.values())
+    reason: RouteReason = "cache" if cached[chosen.instance_id] == best else "load"
+    return Route(chosen, reason, cached[chosen.instance_id])
 
 
 def cluster_models(state: State) -> dict[ModelId, str]:

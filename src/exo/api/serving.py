@@ -2,9 +2,10 @@
 that serves the model. Shared by every API's routes."""
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Literal, NoReturn, TypeVar
 
 import anyio
 import httpx
@@ -15,9 +16,17 @@ from starlette.background import BackgroundTask
 
 from exo.api.errors import APIError, stream_error_event
 from exo.api.model_alias import ModelAlias, resolve_model
-from exo.api.routing import cluster_models, coming_status, remote_api_for
+from exo.api.routing import (
+    Replica,
+    Route,
+    RoutingPolicy,
+    choose_replica,
+    cluster_models,
+    coming_status,
+    serving_replicas,
+)
 from exo.shared.cluster_view import ClusterView
-from exo.shared.types.ids import ModelId
+from exo.shared.types.ids import InstanceId, ModelId
 from exo.worker.served_model import ServedModel
 
 # A node that does not accept a connection this fast is down (502).
@@ -29,6 +38,10 @@ RELAY_SILENT_KEEPALIVES = 3
 DISCONNECT_POLL_SECONDS = 0.5
 # Retry-After of a request for a model whose instance is not serving yet.
 NOT_READY_RETRY_SECONDS = 2
+# How long a replica whose node failed a relay is left out of the routing.
+FAILED_REPLICA_SECONDS = 30.0
+# Set on a relayed request: the node that routed it chose the replica there.
+ROUTED_HEADER = "x-exo-routed"
 # Headers a relay passes on (the API's own, e.g. Anthropic's version and beta flags).
 RELAYED_HEADERS = (
     "content-type",
@@ -52,6 +65,7 @@ class Relay:
     # Longest silence of the serving node (between stream chunks; of its liveness
     # check while its answer has not begun) before the relay gives up with a 504.
     read_timeout_seconds: float
+    instance_id: InstanceId | None = None  # the replica it serves, when known
 
 
 @dataclass
@@ -60,21 +74,63 @@ class ModelRouter:
     cluster: ClusterView
     aliases: Sequence[ModelAlias] = ()
     relay_read_timeout_seconds: float = field(kw_only=True)  # see `relay_read_timeout`
+    policy: RoutingPolicy = field(default="cache-aware", kw_only=True)
+    # Requests running or waiting on this node's replica of a model.
+    local_load: Callable[[ModelId], int] = field(default=lambda model_id: 0, kw_only=True)
+    # Requests a replica works on at once (--max-concurrent, alike across a cluster).
+    slots: int = field(default=8, kw_only=True)
+    _turn: int = field(default=0, init=False)
+    # Replicas whose node failed a relay, left out until then (monotonic seconds).
+    _failed_until: dict[InstanceId, float] = field(default_factory=dict, init=False)
 
     def served_names(self) -> set[ModelId]:
         return {*self.models, *cluster_models(self.cluster.state)}
 
+    def resolve(self, name: str) -> ModelId:
+        return resolve_model(name, self.aliases, self.served_names())
+
+    def replicas(self, model_id: ModelId, exclude: Collection[InstanceId] = ()) -> list[Replica]:
+        """The model's replicas that serve, less `exclude` and those that failed lately."""
+        now = time.monotonic()
+        self._failed_until = {i: t for i, t in self._failed_until.items() if t > now}
+        local = self.local_load(model_id) if model_id in self.models else None
+        return serving_replicas(
+            self.cluster.state,
+            model_id,
+            self.cluster.node_id,
+            local,
+            {*exclude, *self._failed_until},
+        )
+
+    def choose(self, replicas: Sequence[Replica], prompt_digests: Sequence[int] | None) -> Route:
+        self._turn += 1
+        return choose_replica(replicas, prompt_digests, self.policy, self._turn, self.slots)
+
+    def relay_to(self, replica: Replica, model_id: ModelId) -> Relay:
+        assert replica.api_address is not None
+        return Relay(
+            replica.api_address, model_id, self.relay_read_timeout_seconds, replica.instance_id
+        )
+
+    def failed(self, instance_id: InstanceId) -> None:
+        """Its node failed a relay: route around it for a while."""
+        self._failed_until[instance_id] = time.monotonic() + FAILED_REPLICA_SECONDS
+
     def find(self, name: str) -> ServedModel | Relay:
-        """This node's model, or the node that serves it; a 404 naming what is served."""
-        model_id = resolve_model(name, self.aliases, self.served_names())
+        """This node's model, or the least loaded node that serves it; a 503 for
+        a model on its way, a 404 naming what is served."""
+        model_id = self.resolve(name)
         model = self.models.get(model_id)
         if model is not None:
             return model
-        state = self.cluster.state
-        remote = remote_api_for(state, model_id, self.cluster.node_id)
-        if remote is not None:
-            return Relay(remote, model_id, self.relay_read_timeout_seconds)
-        coming = coming_status(state, model_id, self.cluster.node_id)
+        replicas = self.replicas(model_id)
+        if not replicas:
+            self.not_served(name, model_id)
+        return self.relay_to(choose_replica(replicas, None, "least-loaded").replica, model_id)
+
+    def not_served(self, name: str, model_id: ModelId) -> NoReturn:
+        """A 503 when an instance of the model is on its way, else a 404."""
+        coming = coming_status(self.cluster.state, model_id, self.cluster.node_id)
         if coming is not None:
             # Placed and on its way: worth retrying, not a 404.
             called = repr(name) if name == model_id else f"{name!r} ({model_id})"
@@ -103,12 +159,38 @@ def relay_read_timeout(keepalive_seconds: float) -> float:
 def _relay_failed(target: Relay, error: httpx.HTTPError) -> APIError:
     if isinstance(error, httpx.TimeoutException) and not isinstance(error, httpx.ConnectTimeout):
         return _relay_silent(target)
+    what = (
+        "refuses connections (it may have stopped)"
+        if isinstance(error, httpx.ConnectError)
+        else "did not accept the connection in time"
+        if isinstance(error, httpx.ConnectTimeout)
+        else f"failed ({type(error).__name__}: {error})"
+    )
     return APIError(
         502,
-        f"the node serving {target.model_id} at {target.api_address} failed: "
-        f"{type(error).__name__}: {error}",
+        f"the node at {target.api_address} that serves {target.model_id} {what}; "
+        "if it was lost, the cluster places the model again: retry in a few seconds",
         "server_error",
         "relay_failed",
+    )
+
+
+def _relay_refused_key(target: Relay, request: Request) -> APIError:
+    """The serving node's 401, told as its own: this node let the request in,
+    so their API keys differ (or only the serving node has one)."""
+    sent = "authorization" in request.headers or "x-api-key" in request.headers
+    problem = (
+        "refused the API key that this node accepted: the nodes' API keys differ "
+        "(give every node the same --api-key)"
+        if sent
+        else "needs an API key, which this node does not (give every node the same --api-key)"
+    )
+    return APIError(
+        401,
+        f"the node at {target.api_address} that serves {target.model_id} {problem}",
+        "invalid_request_error",
+        "relayed_invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
     )
 
 
@@ -228,6 +310,7 @@ async def relay(target: Relay, request: Request) -> StreamingResponse:
     body = json.loads(await request.body())
     body["model"] = target.model_id
     headers = {k: v for k, v in request.headers.items() if k.lower() in RELAYED_HEADERS}
+    headers[ROUTED_HEADER] = "1"
     # Reads are bounded by `_answer_head` and `_relayed_body` (an answer may take
     # as long as the serving node queues and generates, as long as it is alive).
     # The client's key goes with every request, the liveness checks' included.
@@ -241,6 +324,9 @@ async def relay(target: Relay, request: Request) -> StreamingResponse:
     outgoing = client.build_request("POST", url, json=body, headers=headers)
     try:
         upstream = await _answer_head(client, outgoing, target, request)
+        if upstream.status_code == 401:
+            await upstream.aclose()
+            raise _relay_refused_key(target, request)
     except BaseException:
         await client.aclose()
         raise

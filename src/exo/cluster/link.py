@@ -115,6 +115,10 @@ class ClusterLink:
     def subscribe(self, from_idx: int) -> AsyncIterator[IndexedEvent]:
         return self.store.subscribe(from_idx)
 
+    def heard_ms(self) -> dict[NodeId, int]:
+        """When this node's link last heard each live peer (wall-clock ms)."""
+        return self.membership.heard_ms()
+
     def publish(self, *events: Event) -> None:
         """Send this node's events to the master (acknowledged, retried, deduplicated)."""
         self.replication.publish(*events)

@@ -17,9 +17,16 @@ from exo.shared.types.commands import (
     CommandRejected,
     CreateInstance,
     DeleteInstance,
+    ForgetNode,
     PlaceInstance,
 )
-from exo.shared.types.events import Event, InstanceCreated, InstanceDeleted, ModelCardPublished
+from exo.shared.types.events import (
+    Event,
+    InstanceCreated,
+    InstanceDeleted,
+    ModelCardPublished,
+    NodeForgotten,
+)
 from exo.shared.types.ids import ModelId
 from exo.shared.types.model_card import ModelCard
 from exo.shared.types.state import Instance, InstanceRank, Sharding, State
@@ -145,8 +152,46 @@ def _create(
         min_nodes=command.min_nodes if isinstance(command, PlaceInstance) else 1,
         max_nodes=command.max_nodes if isinstance(command, PlaceInstance) else None,
         sharding=command.sharding,
+        moved=command.moved if isinstance(command, PlaceInstance) else None,
     )
     return [*new_card, InstanceCreated(instance=instance)]
+
+
+def _place_replicas(state: State, command: PlaceInstance) -> list[Event]:
+    """Each instance the command asks for, placed in turn (`place` leaves out
+    the nodes that serve the model already, the earlier replicas' too)."""
+    card = _card(state, command)
+    if card is None:
+        raise CommandRejected(
+            f"no node knows model {command.model_id!r}: put it in a node's models "
+            "directory or make it reachable on the Hugging Face hub",
+            not_found=True,
+        )
+    request = PlacementRequest(
+        min_nodes=command.min_nodes, max_nodes=command.max_nodes, sharding=command.sharding
+    )
+    instance_ids = (command.instance_id, *command.replica_ids)
+    events: list[Event] = []
+    for number, instance_id in enumerate(instance_ids, start=1):
+        try:
+            placement = place(card, state, request=request)
+        except PlacementError as error:
+            if len(instance_ids) == 1:
+                raise CommandRejected(str(error)) from error
+            raise CommandRejected(
+                f"cannot place {len(instance_ids)} replicas of {command.model_id}: replica "
+                f"{number} does not fit ({error})"
+            ) from error
+        one = command.model_copy(update={"instance_id": instance_id})
+        created = _create(state, one, placement.ranks)
+        events += created
+        for event in created:  # what the next replica's placement must see
+            if isinstance(event, InstanceCreated):
+                instances = {**state.instances, instance_id: event.instance}
+                state = state.model_copy(update={"instances": instances})
+            elif isinstance(event, ModelCardPublished):
+                state = state.model_copy(update={"cards": {**state.cards, card.model_id: card}})
+    return events
 
 
 def decide(state: State, command: Command) -> list[Event]:
@@ -156,28 +201,17 @@ def decide(state: State, command: Command) -> list[Event]:
         case CreateInstance():
             return _create(state, command, command.ranks)
         case PlaceInstance():
-            card = _card(state, command)
-            if card is None:
-                raise CommandRejected(
-                    f"no node knows model {command.model_id!r}: put it in a node's models "
-                    "directory or make it reachable on the Hugging Face hub",
-                    not_found=True,
-                )
-            try:
-                # `place` leaves out the nodes that serve the model already.
-                placement = place(
-                    card,
-                    state,
-                    request=PlacementRequest(
-                        min_nodes=command.min_nodes,
-                        max_nodes=command.max_nodes,
-                        sharding=command.sharding,
-                    ),
-                )
-            except PlacementError as error:
-                raise CommandRejected(str(error)) from error
-            return _create(state, command, placement.ranks)
+            return _place_replicas(state, command)
         case DeleteInstance():
             if command.instance_id not in state.instances:
                 raise CommandRejected(f"no instance {command.instance_id!r}", not_found=True)
             return [InstanceDeleted(instance_id=command.instance_id)]
+        case ForgetNode():
+            if command.node_id in state.nodes:
+                raise CommandRejected(
+                    f"node {command.node_id} is still in the cluster: only a node that timed "
+                    "out can be forgotten"
+                )
+            if command.node_id not in state.gone_nodes:
+                raise CommandRejected(f"no node {command.node_id!r} timed out", not_found=True)
+            return [NodeForgotten(node_id=command.node_id)]

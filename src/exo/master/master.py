@@ -32,13 +32,17 @@ from exo.shared.types.events import (
     MasterElected,
     ModelCardPublished,
     ModelFoldersUnreadable,
+    NodeForgotten,
     NodeJoined,
+    NodeReachable,
     NodeTelemetryReported,
     NodeTimedOut,
+    NodeUnreachable,
+    ReplicaReported,
     RunnerStatusChanged,
 )
 from exo.shared.types.ids import InstanceId, NodeId
-from exo.shared.types.state import Instance, State
+from exo.shared.types.state import Instance, NodeInfo, Relocation, State
 
 # A ring's runners fail as soon as one of its nodes dies, often a moment before
 # the link notices that node is gone: an instance with a failed rank is placed
@@ -54,12 +58,17 @@ class NotMaster(Exception):
 def timed_out_nodes(
     state: State, now: int, timeout_ms: int, keep: NodeId, heard_ms: Mapping[NodeId, int]
 ) -> list[NodeId]:
-    """Nodes whose last event and last word on the link (`heard_ms`) are both
-    older than `timeout_ms` (never `keep`, the master itself)."""
+    """Nodes whose last event and last word on the link (`heard_ms`, or the
+    heartbeat the state last recorded) are all older than `timeout_ms` (never
+    `keep`, the master itself)."""
+
+    def last(node: NodeInfo) -> int:
+        return max(node.last_seen_ms, node.last_heartbeat_ms or 0, heard_ms.get(node.node_id, 0))
+
     return sorted(
         node_id
         for node_id, node in state.nodes.items()
-        if node_id != keep and now - max(node.last_seen_ms, heard_ms.get(node_id, 0)) > timeout_ms
+        if node_id != keep and now - last(node) > timeout_ms
     )
 
 
@@ -80,11 +89,40 @@ def may_originate(state: State, origin: NodeId, event: Event) -> bool:
             return event.node_id == origin
         case ModelCardPublished():
             return True
+        case ReplicaReported():
+            instance = state.instances.get(event.instance_id)
+            return event.node_id == origin and (
+                instance is None or instance.ranks[0].node_id == origin
+            )
         case InstanceDeleted():
             instance = state.instances.get(event.instance_id)
             return instance is None or set(instance.node_ids) == {origin}
-        case NodeTimedOut() | MasterElected() | InstanceCreated():
+        case (
+            NodeTimedOut()
+            | NodeUnreachable()
+            | NodeReachable()
+            | NodeForgotten()
+            | MasterElected()
+            | InstanceCreated()
+        ):
             return False
+
+
+def reachability_changes(
+    state: State, reachable: Collection[NodeId], last_heard_ms: Mapping[NodeId, int]
+) -> list[NodeUnreachable | NodeReachable]:
+    """The events that bring the state's marks in line with what the link hears:
+    `NodeUnreachable` for a node it lost (with its last heartbeat), and
+    `NodeReachable` for a marked one it hears again."""
+    changes: list[NodeUnreachable | NodeReachable] = []
+    for node_id, node in sorted(state.nodes.items()):
+        if node_id not in reachable and node.unreachable_since_ms is None:
+            changes.append(
+                NodeUnreachable(node_id=node_id, last_heard_ms=last_heard_ms.get(node_id))
+            )
+        elif node_id in reachable and node.unreachable_since_ms is not None:
+            changes.append(NodeReachable(node_id=node_id))
+    return changes
 
 
 def placeable(state: State, reachable: Collection[NodeId]) -> State:
@@ -114,6 +152,7 @@ class Master:
         self._election_recorded = False
         self._heard_ms = heard_ms
         self._unreachable: set[NodeId] = set()
+        self._last_heard_ms: dict[NodeId, int] = {}  # every peer's latest, lost ones' too
         self._woken = anyio.Event()
         self._broken_grace_seconds = broken_grace_seconds
         self._broken_since: dict[InstanceId, float] = {}  # monotonic time first seen failed
@@ -198,26 +237,38 @@ class Master:
         model no node could take is tried again each round (for the recovery
         window), so it comes back with the first node that can hold it."""
         before = self._store.state
-        heard = self._heard_ms() if self._heard_ms else {}
-        gone = timed_out_nodes(before, now_ms(), self._node_timeout_ms, self.node_id, heard)
+        # The last word of every peer, those the link has just dropped too.
+        self._last_heard_ms.update(self._heard_ms() if self._heard_ms else {})
+        gone = timed_out_nodes(
+            before, now_ms(), self._node_timeout_ms, self.node_id, self._last_heard_ms
+        )
         for node_id in gone:
             logger.warning(f"node {node_id} timed out; its instances are removed")
         self._index([NodeTimedOut(node_id=n) for n in gone])
         state = self._store.state
         lost = self._note_unreachable(state)
-        damaged: dict[str, tuple[Instance, bool]] = {}
-        for instance in instances_on(before, gone):
-            damaged[instance.instance_id] = (instance, False)
-        for instance in instances_on(state, lost) + self._broken_long_enough(state):
-            damaged[instance.instance_id] = (instance, True)
+        damaged: dict[str, tuple[Instance, bool, Relocation]] = {}
+        for instance in self._broken_long_enough(state):
+            failed = _failed_ranks(state, instance)
+            damaged[instance.instance_id] = (
+                instance, True, Relocation(from_nodes=failed, reason="runner_failed")
+            )  # fmt: skip
+        for instance, listed, dead in [
+            *((i, False, set(gone)) for i in instances_on(before, gone)),
+            *((i, True, lost) for i in instances_on(state, lost)),
+        ]:
+            from_nodes = tuple(n for n in instance.node_ids if n in dead)
+            damaged[instance.instance_id] = (
+                instance, listed, Relocation(from_nodes=from_nodes, reason="node_lost")
+            )  # fmt: skip
         available = _accepting_nodes(self._placeable_state())
-        for instance, listed in damaged.values():
+        for instance, listed, moved in damaged.values():
             served = still_served(state, instance, damaged)
             logger.warning(
                 f"instance {instance.instance_id} of {instance.model_id} lost a rank; "
                 + ("another instance still serves it" if served else "placing it again")
             )
-            for command in self._recovery.commands(instance, listed, available, served):
+            for command in self._recovery.commands(instance, listed, available, served, moved):
                 try:
                     self.execute(uuid.uuid4().hex, self.node_id, command)
                 except CommandRejected as error:
@@ -258,10 +309,12 @@ class Master:
         return None if self._heard_ms is None else {self.node_id, *self._heard_ms()}
 
     def _note_unreachable(self, state: State) -> set[NodeId]:
-        """The nodes of the state the link does not hear; changes are logged."""
+        """The nodes of the state the link does not hear; changes are logged,
+        and indexed (`NodeUnreachable`, `NodeReachable`) for every node to see."""
         reachable = self._reachable()
         if reachable is None:
             return set()
+        self._index(reachability_changes(state, reachable, self._last_heard_ms))
         unreachable = {n for n in state.nodes if n not in reachable}
         for node_id in sorted(unreachable - self._unreachable):
             logger.warning(f"node {node_id}: the link lost it; out of placement")
@@ -276,6 +329,13 @@ class Master:
 
     def _index(self, events: Sequence[Event]) -> None:
         self._store.index(self.node_id, with_ids(uuid.uuid4().hex, events))
+
+
+def _failed_ranks(state: State, instance: Instance) -> tuple[NodeId, ...]:
+    runners = state.runners.get(instance.instance_id, {})
+    return tuple(
+        n for n in instance.node_ids if n in runners and runners[n].status in ("failed", "stopped")
+    )
 
 
 def _accepting_nodes(state: State) -> int:

@@ -356,7 +356,8 @@ def _shortfall(
         message += f"; too small for even one layer: {', '.join(small)}"
     if len(candidates) < request.min_nodes:
         message += (
-            f"; min_nodes={request.min_nodes} but only {len(candidates)} node(s) can hold a layer"
+            f"; at least {_nodes(request.min_nodes)} were asked for, but only "
+            f"{len(candidates)} can hold a layer"
         )
     elif need <= have and not tensor:
         message += (
@@ -364,6 +365,10 @@ def _shortfall(
             "embedding and head on the first and last node"
         )
     return message
+
+
+def _nodes(n: int) -> str:
+    return f"{n} node" if n == 1 else f"{n} nodes"
 
 
 def download_progress(card: ModelCard, state: State) -> ProgressFn:
@@ -416,7 +421,7 @@ def _tensor_request(card: ModelCard, request: PlacementRequest) -> PlacementRequ
     if request.max_nodes is not None and request.max_nodes < MIN_TENSOR_RANKS:
         raise PlacementError(
             f"a tensor instance needs at least {MIN_TENSOR_RANKS} nodes (each holds a slice "
-            f"of every layer), not max_nodes={request.max_nodes}"
+            f"of every layer), not at most {_nodes(request.max_nodes)}"
         )
     return request.model_copy(update={"min_nodes": max(MIN_TENSOR_RANKS, request.min_nodes)})
 
@@ -472,13 +477,14 @@ def preview(
         )
     if request.max_nodes is not None and request.max_nodes < request.min_nodes:
         raise PlacementError(
-            f"max_nodes={request.max_nodes} is less than min_nodes={request.min_nodes}"
+            f"at most {_nodes(request.max_nodes)} and at least {_nodes(request.min_nodes)} "
+            "were asked for: the most cannot be fewer than the least"
         )
     tensor = request.sharding == "tensor"
     if request.min_nodes > len(reporting):
         raise PlacementError(
-            f"min_nodes={request.min_nodes} but only {len(reporting)} node(s) have reported "
-            "telemetry"
+            f"cannot place {card.model_id} on at least {_nodes(request.min_nodes)}: the "
+            f"cluster has {_nodes(len(reporting))} that can run models"
             + (f" (a tensor instance needs at least {MIN_TENSOR_RANKS})" if tensor else "")
         )
     if not tensor and request.min_nodes > card.n_layers:
@@ -491,7 +497,9 @@ def preview(
     if len(nodes) < request.min_nodes:
         raise PlacementError(
             f"{card.model_id} already has an instance on {', '.join(sorted(serving))}; only "
-            f"{len(nodes)} other node(s) can take one (min_nodes={request.min_nodes}); "
+            f"{len(nodes)} other node{'' if len(nodes) == 1 else 's'} can take one (at least "
+            f"{_nodes(request.min_nodes)} "
+            "were asked for); "
             "delete an instance first"
         )
     backends: set[MlxBackend] = {t.mlx_backend for _, t in nodes}

@@ -9,9 +9,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from exo.shared.types.commands import Command, DeleteInstance, PlaceInstance
+from exo.shared.types.commands import DeleteInstance, PlaceInstance
 from exo.shared.types.ids import ModelId, NodeId, new_instance_id
-from exo.shared.types.state import Instance, State
+from exo.shared.types.state import Instance, Relocation, State
 
 # At most this many re-placements of one model per window (a model that fails
 # on every placement must not loop).
@@ -46,7 +46,9 @@ def still_served(state: State, instance: Instance, damaged: Iterable[str]) -> bo
     )
 
 
-def replacement(instance: Instance, available_nodes: int) -> PlaceInstance:
+def replacement(
+    instance: Instance, available_nodes: int, moved: Relocation | None = None
+) -> PlaceInstance:
     """The placement of `instance`'s model again: its request's `min_nodes`,
     `max_nodes` and sharding, `min_nodes` lowered to the nodes that are left
     when fewer are (a tensor placement still needs two: refused until then)."""
@@ -56,6 +58,7 @@ def replacement(instance: Instance, available_nodes: int) -> PlaceInstance:
         min_nodes=max(1, min(instance.min_nodes, available_nodes)),
         max_nodes=instance.max_nodes,
         sharding=instance.sharding,
+        moved=moved,
     )
 
 
@@ -83,12 +86,17 @@ class Recovery:
         return [replacement(i, available_nodes) for i, _ in self._unplaced.values()]
 
     def commands(
-        self, instance: Instance, still_listed: bool, available_nodes: int, served: bool = False
-    ) -> list[Command]:
+        self,
+        instance: Instance,
+        still_listed: bool,
+        available_nodes: int,
+        served: bool = False,
+        moved: Relocation | None = None,
+    ) -> list[DeleteInstance | PlaceInstance]:
         """Delete `instance` (when the state still lists it) and place its model
         again on `available_nodes` nodes at most, unless another instance still
         `served` it or it was re-placed too often lately."""
-        commands: list[Command] = (
+        commands: list[DeleteInstance | PlaceInstance] = (
             [DeleteInstance(instance_id=instance.instance_id)] if still_listed else []
         )
         if served:
@@ -97,6 +105,6 @@ class Recovery:
         recent = [t for t in self._history.get(instance.model_id, []) if now - t < WINDOW_SECONDS]
         if len(recent) < MAX_REPLACEMENTS:
             recent.append(now)
-            commands.append(replacement(instance, available_nodes))
+            commands.append(replacement(instance, available_nodes, moved))
         self._history[instance.model_id] = recent
         return commands

@@ -86,6 +86,16 @@ def kv_bytes_per_token(card: ModelCard, backend: MlxBackend) -> int:
     return sum(cache.token_elements for cache in card.layer_caches) * _cache_dtype_bytes(backend)
 
 
+def sequence_kv(
+    card: ModelCard, backend: MlxBackend, tokens: int, start: int = 0, end: int | None = None
+) -> int:
+    """Cache bytes one sequence of `tokens` tokens takes in layers [start, end)
+    (all of them by default) on `backend`: a sliding-window layer keeps at most
+    its window, a recurrent layer its constant state."""
+    dtype_bytes = _cache_dtype_bytes(backend)
+    return sum(_cache_reserve(cache, tokens, dtype_bytes) for cache in card.layer_caches[start:end])
+
+
 def kv_reserve_tokens(card: ModelCard) -> int:
     """Tokens of KV cache a rank reserves room for."""
     return min(card.context_length, KV_RESERVE_TOKENS)

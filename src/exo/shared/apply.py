@@ -14,12 +14,16 @@ from exo.shared.types.events import (
     MasterElected,
     ModelCardPublished,
     ModelFoldersUnreadable,
+    NodeForgotten,
     NodeJoined,
+    NodeReachable,
     NodeTelemetryReported,
     NodeTimedOut,
+    NodeUnreachable,
+    ReplicaReported,
     RunnerStatusChanged,
 )
-from exo.shared.types.state import NodeInfo, RunnerInfo, State
+from exo.shared.types.state import NodeInfo, ReplicaReport, RunnerInfo, State
 
 
 def _seen(state: State, indexed: IndexedEvent) -> State:
@@ -28,6 +32,10 @@ def _seen(state: State, indexed: IndexedEvent) -> State:
         return state
     nodes = {**state.nodes, node.node_id: node.model_copy(update={"last_seen_ms": indexed.at_ms})}
     return state.model_copy(update={"nodes": nodes})
+
+
+def _with_node(state: State, node: NodeInfo) -> State:
+    return state.model_copy(update={"nodes": {**state.nodes, node.node_id: node}})
 
 
 def _apply_event(state: State, indexed: IndexedEvent) -> State:
@@ -40,10 +48,15 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
                 grpc_address=event.grpc_address,
                 api_address=event.api_address,
                 started_at_ms=event.started_at_ms,
+                hostname=event.hostname,
                 telemetry=known.telemetry if known else None,
                 last_seen_ms=indexed.at_ms,
+                last_heartbeat_ms=known.last_heartbeat_ms if known else None,
+                # Whether the master's link hears it is the master's to say.
+                unreachable_since_ms=known.unreachable_since_ms if known else None,
             )
-            return state.model_copy(update={"nodes": {**state.nodes, event.node_id: node}})
+            gone = {k: v for k, v in state.gone_nodes.items() if k != event.node_id}
+            return _with_node(state, node).model_copy(update={"gone_nodes": gone})
         case NodeTelemetryReported():
             node = state.nodes.get(event.node_id)
             if node is None:
@@ -55,9 +68,11 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
                 return state
             # An instance cannot serve without any of its ranks.
             gone = {i for i, inst in state.instances.items() if event.node_id in inst.node_ids}
+            left = state.nodes[event.node_id].model_copy(update={"timed_out_at_ms": indexed.at_ms})
             return state.model_copy(
                 update={
                     "nodes": {k: v for k, v in state.nodes.items() if k != event.node_id},
+                    "gone_nodes": {**state.gone_nodes, event.node_id: left},
                     "instances": {k: v for k, v in state.instances.items() if k not in gone},
                     "runners": {k: v for k, v in state.runners.items() if k not in gone},
                     "downloads": {k: v for k, v in state.downloads.items() if k != event.node_id},
@@ -67,6 +82,28 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
                     "master_id": None if state.master_id == event.node_id else state.master_id,
                 }
             )
+        case NodeUnreachable():
+            node = state.nodes.get(event.node_id)
+            if node is None:
+                return state
+            heard = max(node.last_heartbeat_ms or 0, event.last_heard_ms or 0) or None
+            since = node.unreachable_since_ms or indexed.at_ms
+            return _with_node(
+                state,
+                node.model_copy(update={"last_heartbeat_ms": heard, "unreachable_since_ms": since}),
+            )
+        case NodeReachable():
+            node = state.nodes.get(event.node_id)
+            if node is None or node.unreachable_since_ms is None:
+                return state
+            heard = max(node.last_heartbeat_ms or 0, indexed.at_ms)
+            return _with_node(
+                state,
+                node.model_copy(update={"unreachable_since_ms": None, "last_heartbeat_ms": heard}),
+            )
+        case NodeForgotten():
+            gone = {k: v for k, v in state.gone_nodes.items() if k != event.node_id}
+            return state.model_copy(update={"gone_nodes": gone})
         case MasterElected():
             if event.term < state.master_term:
                 return state  # a stale election result
@@ -85,6 +122,7 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
                         k: v for k, v in state.instances.items() if k != event.instance_id
                     },
                     "runners": {k: v for k, v in state.runners.items() if k != event.instance_id},
+                    "replicas": {k: v for k, v in state.replicas.items() if k != event.instance_id},
                 }
             )
         case RunnerStatusChanged():
@@ -129,6 +167,18 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
                 k: v for k, v in state.unreadable_models.items() if k != event.node_id
             } | ({event.node_id: event.folders} if event.folders else {})
             return state.model_copy(update={"unreadable_models": unreadable})
+        case ReplicaReported():
+            instance = state.instances.get(event.instance_id)
+            if instance is None or instance.ranks[0].node_id != event.node_id:
+                return state
+            known = state.replicas.get(event.instance_id, ReplicaReport())
+            report = ReplicaReport(
+                cached=(known.cached - set(event.cached_removed)) | set(event.cached_added),
+                load=known.load if event.load is None else event.load,
+            )
+            return state.model_copy(
+                update={"replicas": {**state.replicas, event.instance_id: report}}
+            )
 
 
 def apply(state: State, indexed: IndexedEvent) -> State:

@@ -1,7 +1,7 @@
 """What the API needs of the cluster: this node's id, the state, the event stream,
 commands and a way to wait for their effect."""
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
 from exo.shared.types.commands import Command
@@ -27,6 +27,11 @@ class ClusterView(Protocol):
         ...
 
     def subscribe(self, from_idx: int) -> AsyncIterator[IndexedEvent]: ...
+
+    def heard_ms(self) -> Mapping[NodeId, int]:
+        """When this node's link last heard each peer it hears now (wall-clock
+        ms): heartbeats, which are not events (they would grow the log)."""
+        ...
 
     async def send_command(self, command: Command) -> int:
         """The index of the command's last event (`wait_until` it to see the effect)."""

@@ -58,6 +58,29 @@ class StopRunner:
 Action = StartDownload | CancelDownload | StartRunner | StopRunner
 
 
+def stop_reason(state: State, stopped: Instance) -> str:
+    """What a request cut short by stopping `stopped` (gone from `state`) is
+    told: where its model went, when the master placed it again after a
+    failure; else that the instance was deleted. Never "the node is shutting
+    down": the node is fine."""
+    what = f"the instance of {stopped.model_id} this node served was stopped"
+    for instance in state.instances.values():
+        if instance.model_id != stopped.model_id or instance.moved is None:
+            continue
+        moved = instance.moved
+        nodes = ", ".join(moved.from_nodes) or "one of its nodes"
+        why = (
+            f"after node {nodes} was lost"
+            if moved.reason == "node_lost"
+            else f"after its runner failed on node {nodes}"
+        )
+        return (
+            f"{what}: the cluster moved it to node {', '.join(instance.node_ids)} {why}; "
+            "send the request again once it is ready"
+        )
+    return f"{what}: it was deleted or placed again; send the request again"
+
+
 def needed_files(state: State, instance: Instance, node_id: NodeId) -> frozenset[str] | None:
     """The files `node_id` needs for its rank; None when the card is unknown."""
     card = state.cards.get(instance.model_id)

@@ -20,6 +20,7 @@ from exo.models.file_source import DownloadError, FileSource
 from exo.models.local_store import ModelStore
 from exo.models.sampling_defaults import read_sampling_defaults
 from exo.models.store import context_length
+from exo.shared.replica_reports import CacheReports
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.events import (
     DownloadProgressed,
@@ -42,6 +43,7 @@ from exo.worker.plan import (
     StopRunner,
     needed_files,
     plan,
+    stop_reason,
     wants_standby,
 )
 from exo.worker.runner.blas import runner_environment
@@ -101,6 +103,7 @@ class Worker:
         # The models this node serves (its rank-0 runners), by id: the API reads it.
         self.served: dict[ModelId, ServedModel] = {}
         self._running: dict[InstanceId, _Running] = {}
+        self._cache_reports = CacheReports(link)
         self._announced: set[InstanceId] = set()
         # Rank-0 runners that are ready before the API can take their requests
         # (its tokenizer still loading): their "ready" goes out once it can.
@@ -152,7 +155,8 @@ class Worker:
                 case StartRunner():
                     await self._start(action.instance, action.rank, group)
                 case StopRunner():
-                    await self._stop(action.instance_id)
+                    stopped = self._running[action.instance_id].instance
+                    await self._stop(action.instance_id, stop_reason(self.link.state, stopped))
                 case StartDownload():
                     self._start_download(action, group)
                 case CancelDownload():
@@ -397,6 +401,11 @@ class Worker:
             speculation=self.speculation,
             on_status=lambda status, error: self._runner_status(running, rank, status, error),
             standby=self._take_standby,
+            on_cache_summary=(
+                (lambda summary: self._cache_reports.changed(instance.instance_id, summary))
+                if rank == 0
+                else (lambda summary: None)
+            ),
         )
         running.runner = runner
         self._running[instance.instance_id] = running
@@ -438,8 +447,11 @@ class Worker:
         self._running[instance.instance_id] = _Running(instance, None)
         self._report(instance, "failed", f"{type(error).__name__}: {error}")
 
-    async def _stop(self, instance_id: InstanceId) -> None:
+    async def _stop(
+        self, instance_id: InstanceId, reason: str = "the node is shutting down"
+    ) -> None:
         running = self._running.pop(instance_id)
+        self._cache_reports.forget(instance_id)
         self._ready_held.discard(instance_id)
         if running.runner is not None:
             logger.info(f"stopping the runner of instance {instance_id}")
@@ -448,7 +460,7 @@ class Worker:
                 and self.served.get(running.instance.model_id) is running.served
             ):
                 del self.served[running.instance.model_id]
-            await running.runner.shutdown()
+            await running.runner.shutdown(reason)
         running.scope.cancel()
 
 

@@ -47,6 +47,7 @@ from exo.engine.mlx.kv_chunks import (
 )
 from exo.engine.mlx.prefix_cache_disk import DiskTier
 from exo.engine.token_trie import TokenTrie, best_usable
+from exo.shared.prefix_digests import Summarizer
 from exo.shared.types.cache_stats import CacheMiss, CacheStats
 
 LayerCache = Any  # an mlx_lm cache object (KVCache, RotatingKVCache, ArraysCache, ...)
@@ -213,6 +214,7 @@ class KVPrefixCache:
         self._clock = 0
         self._next_id = 0
         self._stats = CacheStats(byte_budget=byte_budget)
+        self._summarizer = Summarizer()
         # When a request last looked up or stored (monotonic): disk writes wait for a lull.
         self.last_active = time.monotonic()
         # Entries restore only at their end, even when all of this cache's layers
@@ -501,6 +503,21 @@ class KVPrefixCache:
         self._save(entry_id)
         return True
 
+    def spill(self, nbytes: int) -> int:
+        """Free at least `nbytes` of the memory tier (less when it holds less):
+        least recently used entries go to the disk tier, when there is one, as
+        evictions do. Returns the bytes freed."""
+        before = self.nbytes
+        while self._entries and before - self.nbytes < nbytes:
+            oldest = min(self._entries, key=lambda i: self._entries[i].last_used)
+            for entry_id in self._agree([oldest]):
+                if entry_id in self._entries:
+                    self._drop(entry_id)
+        freed = before - self.nbytes
+        if freed:
+            logger.info(f"prefix cache: moved {freed} bytes out of memory to make room")
+        return freed
+
     def entry_ids(self) -> list[int]:
         return sorted(self._entries)
 
@@ -511,6 +528,13 @@ class KVPrefixCache:
         """The entry's whole KV as new cache objects (what a full restore gives)."""
         entry = self._entries[entry_id]
         return self._materialize(entry, len(entry.tokens))
+
+    def summary(self) -> list[int]:
+        """The digests of what this cache holds (`prefix_digests`): memory entries,
+        then disk ones, most recently used first."""
+        memory = sorted(self._entries.values(), key=lambda e: e.last_used, reverse=True)
+        disk = self._disk.sequences() if self._disk else []
+        return self._summarizer.summarize([*(e.tokens for e in memory), *disk])
 
     def stats(self) -> CacheStats:
         disk = self._disk

@@ -159,6 +159,11 @@ class DiskTier:
     def key(self, file_id: int) -> str:
         return self._entries[file_id].path.stem
 
+    def sequences(self) -> list[tuple[int, ...]]:
+        """The token sequences kept, most recently used first."""
+        entries = sorted(self._entries.values(), key=lambda e: e.last_used, reverse=True)
+        return [entry.tokens for entry in entries]
+
     def keys(self) -> set[str]:
         """The keys of every file kept (`entry_key` of their tokens)."""
         return {entry.path.stem for entry in self._entries.values()}

@@ -160,6 +160,8 @@ class ChatRequest(FrozenModel):
     # request); `prediction`, text the reply is expected to repeat, drafted from.
     speculation: bool = True
     prediction: str | None = None
+    # The last turn, an assistant one, is continued: the reply extends its text.
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> "ChatRequest":
@@ -169,4 +171,6 @@ class ChatRequest(FrozenModel):
             raise ValueError("tools need a chat template; a raw prompt has none")
         if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(self.template_kwargs)):
             raise ValueError(f"template_kwargs may not set {', '.join(reserved)}")
+        if self.continue_final_message and (not self.turns or self.turns[-1].role != "assistant"):
+            raise ValueError("continue_final_message needs an assistant turn last")
         return self

@@ -7,9 +7,9 @@ from typing import Annotated, Literal
 from pydantic import Field, TypeAdapter
 
 from exo.shared.types.frozen import FrozenModel
-from exo.shared.types.ids import InstanceId, ModelId
+from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.model_card import ModelCard
-from exo.shared.types.state import InstanceRank, Sharding
+from exo.shared.types.state import InstanceRank, Relocation, Sharding
 
 
 class CreateInstance(FrozenModel):
@@ -35,6 +35,11 @@ class PlaceInstance(FrozenModel):
     sharding: Sharding = "pipeline"
     # The model's card, for a model the cluster has no card of (e.g. from the hub).
     card: ModelCard | None = None
+    # The master's re-placement after a failure: where from, and why.
+    moved: Relocation | None = None
+    # Ids of more instances of the model (replicas), each placed on nodes of its
+    # own; all of them are placed or none.
+    replica_ids: tuple[InstanceId, ...] = ()
 
 
 class DeleteInstance(FrozenModel):
@@ -42,8 +47,15 @@ class DeleteInstance(FrozenModel):
     instance_id: InstanceId
 
 
+class ForgetNode(FrozenModel):
+    """Remove a node that timed out from the state (a user's cleanup)."""
+
+    kind: Literal["forget_node"] = "forget_node"
+    node_id: NodeId
+
+
 Command = Annotated[
-    CreateInstance | PlaceInstance | DeleteInstance,
+    CreateInstance | PlaceInstance | DeleteInstance | ForgetNode,
     Field(discriminator="kind"),
 ]
 command_adapter: TypeAdapter[Command] = TypeAdapter(Command)

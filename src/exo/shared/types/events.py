@@ -18,6 +18,7 @@ class NodeJoined(FrozenModel):
     grpc_address: str | None  # None: the node has no cluster link
     api_address: str | None = None  # host:port of its HTTP API, None without one
     started_at_ms: int
+    hostname: str | None = None  # the machine's name (`socket.gethostname()`)
 
 
 class NodeTelemetryReported(FrozenModel):
@@ -28,6 +29,30 @@ class NodeTelemetryReported(FrozenModel):
 
 class NodeTimedOut(FrozenModel):
     kind: Literal["node_timed_out"] = "node_timed_out"
+    node_id: NodeId
+
+
+class NodeUnreachable(FrozenModel):
+    """The master's link lost the node (its heartbeats stopped, or its address
+    refuses connections): it stays in the state until it times out, but nothing
+    is placed on it and its instances are placed again."""
+
+    kind: Literal["node_unreachable"] = "node_unreachable"
+    node_id: NodeId
+    last_heard_ms: int | None = None  # the master's last heartbeat from it
+
+
+class NodeReachable(FrozenModel):
+    """The master's link hears an unreachable node again."""
+
+    kind: Literal["node_reachable"] = "node_reachable"
+    node_id: NodeId
+
+
+class NodeForgotten(FrozenModel):
+    """A user removed a node that timed out from the state (`ForgetNode`)."""
+
+    kind: Literal["node_forgotten"] = "node_forgotten"
     node_id: NodeId
 
 
@@ -85,10 +110,27 @@ class ModelFoldersUnreadable(FrozenModel):
     folders: tuple[UnreadableModelFolder, ...]
 
 
+class ReplicaReported(FrozenModel):
+    """What the first rank of an instance offers the routing of requests
+    (`exo.api.routing`): a change of what its prefix cache holds (digests of
+    `exo.shared.prefix_digests` added and removed) and of its load (requests
+    running or waiting there; None: unchanged)."""
+
+    kind: Literal["replica_reported"] = "replica_reported"
+    node_id: NodeId
+    instance_id: InstanceId
+    load: int | None = Field(default=None, ge=0)
+    cached_added: tuple[int, ...] = ()
+    cached_removed: tuple[int, ...] = ()
+
+
 Event = Annotated[
     NodeJoined
     | NodeTelemetryReported
     | NodeTimedOut
+    | NodeUnreachable
+    | NodeReachable
+    | NodeForgotten
     | MasterElected
     | InstanceCreated
     | InstanceDeleted
@@ -96,7 +138,8 @@ Event = Annotated[
     | ModelCardPublished
     | DownloadProgressed
     | DownloadRemoved
-    | ModelFoldersUnreadable,
+    | ModelFoldersUnreadable
+    | ReplicaReported,
     Field(discriminator="kind"),
 ]
 

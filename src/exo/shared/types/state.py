@@ -33,9 +33,18 @@ class NodeInfo(FrozenModel):
     grpc_address: str | None
     api_address: str | None = None
     started_at_ms: int
+    hostname: str | None = None  # the machine's name, for people (None: not told)
     telemetry: NodeTelemetry | None = None
     # Master-assigned time of the last event heard from this node.
     last_seen_ms: int
+    # The master's last heartbeat from the node, as of its last word on it (a
+    # node that is heard now is newer: the link's `heard_ms`, `GET /cluster`).
+    last_heartbeat_ms: int | None = None
+    # Since when the master's link does not hear the node (None: it does). The
+    # node is still in the state until the node timeout; nothing is placed on it.
+    unreachable_since_ms: int | None = None
+    # When the master timed the node out (only in `State.gone_nodes`).
+    timed_out_at_ms: int | None = None
 
 
 class InstanceRank(FrozenModel):
@@ -45,6 +54,15 @@ class InstanceRank(FrozenModel):
     node_id: NodeId
     start_layer: int = Field(ge=0)
     end_layer: int  # exclusive
+
+
+class Relocation(FrozenModel):
+    """Why an instance is where it is: its model was placed again after the
+    instance before it lost these nodes (`node_lost`) or a runner on them
+    failed (`runner_failed`)."""
+
+    from_nodes: tuple[NodeId, ...]
+    reason: Literal["node_lost", "runner_failed"]
 
 
 class Instance(FrozenModel):
@@ -61,6 +79,8 @@ class Instance(FrozenModel):
     min_nodes: int = Field(default=1, ge=1)
     max_nodes: int | None = Field(default=None, ge=1)
     sharding: Sharding = "pipeline"
+    # Set when the master placed the model again after a failure (None: placed as asked).
+    moved: Relocation | None = None
 
     @property
     def n_layers(self) -> int:
@@ -93,11 +113,21 @@ class UnreadableModelFolder(FrozenModel):
     reason: str
 
 
+class ReplicaReport(FrozenModel):
+    """What an instance's first rank last reported for routing (`ReplicaReported`)."""
+
+    cached: frozenset[int] = frozenset()  # digests of its prefix cache (`prefix_digests`)
+    load: int = 0  # requests running or waiting on it
+
+
 InstanceStatus = Literal["downloading", "starting", "loading", "ready", "running", "failed"]
 
 
 class State(FrozenModel):
     nodes: dict[NodeId, NodeInfo] = Field(default_factory=dict)
+    # Nodes the master timed out, as last known, until they join again or a
+    # user forgets them (`NodeForgotten`): a node that died stays visible.
+    gone_nodes: dict[NodeId, NodeInfo] = Field(default_factory=dict)
     instances: dict[InstanceId, Instance] = Field(default_factory=dict)
     # The runner of each rank: by instance, then by node.
     runners: dict[InstanceId, dict[NodeId, RunnerInfo]] = Field(default_factory=dict)
@@ -109,6 +139,8 @@ class State(FrozenModel):
     unreadable_models: dict[NodeId, tuple[UnreadableModelFolder, ...]] = Field(default_factory=dict)
     master_id: NodeId | None = None
     master_term: int = 0
+    # What each instance's first rank reports for routing, by instance.
+    replicas: dict[InstanceId, ReplicaReport] = Field(default_factory=dict)
     # Index of the last applied event; -1 before the first.
     last_idx: int = -1
 

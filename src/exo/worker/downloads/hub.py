@@ -100,7 +100,7 @@ class HubSource(FileSource):
                         return files
                     url, params = response.url.join(next_page), None
         except httpx.TransportError as error:
-            raise TransientError(f"{self.endpoint}: {error!r}") from error
+            raise TransientError(hub_unreachable(self.endpoint, error)) from error
         except httpx.RequestError as error:
             raise DownloadError(f"{self.endpoint}: {error!r}") from error
         raise DownloadError(f"{model_id}: the listing has more than {_MAX_PAGES} pages")
@@ -125,9 +125,41 @@ class HubSource(FileSource):
                     yield chunk[skip:]
                     skip = 0
         except httpx.TransportError as error:
-            raise TransientError(f"{self.endpoint}: {error!r}") from error
+            raise TransientError(hub_unreachable(self.endpoint, error)) from error
         except httpx.RequestError as error:
             raise DownloadError(f"{self.endpoint}: {error!r}") from error
+
+
+# What to do when the hub cannot be reached: a model can come without it.
+OFFLINE_ADVICE = (
+    "to serve a model without the hub, copy its folder (config.json, the .safetensors "
+    "files, the tokenizer files) into a node's models directory (--models-dir), or set "
+    "HF_ENDPOINT to a hub mirror this node can reach"
+)
+
+
+def _transport_reason(error: httpx.TransportError) -> str:
+    """`error` in a user's words: "[Errno -2] Name or service not known" is a
+    name that does not resolve, i.e. most often no internet."""
+    text = str(error)
+    if isinstance(error, httpx.ConnectError) and (
+        "Errno -2" in text
+        or "Errno -3" in text
+        or "Errno 8" in text
+        or "not known" in text
+        or "resolution" in text
+    ):
+        return "its name does not resolve: is this machine offline?"
+    if isinstance(error, httpx.ConnectError):
+        return f"the connection failed{': ' + text if text else ''}"
+    if isinstance(error, httpx.TimeoutException):
+        return "it did not answer in time"
+    return text or type(error).__name__
+
+
+def hub_unreachable(endpoint: str, error: httpx.TransportError) -> str:
+    """The message of a hub that cannot be reached, with what to do offline."""
+    return f"cannot reach the Hugging Face hub at {endpoint} ({_transport_reason(error)}); {OFFLINE_ADVICE}"
 
 
 def _parse_tree(response: httpx.Response, model_id: ModelId) -> list[_TreeEntry]:

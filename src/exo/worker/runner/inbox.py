@@ -69,6 +69,17 @@ class Inbox:
                 return True
         return False
 
+    def peek(self) -> Generate | None:
+        """The next task to serve, left first in line (`take` takes it); a task
+        cancelled before it started is dropped."""
+        while self._pending:
+            task = self._pending[0]
+            if task.task_id not in self._cancelled:
+                return task
+            self._pending.popleft()
+            self._cancelled.discard(task.task_id)
+        return None
+
     def take(self) -> Generate | None:
         """The next task to serve; a task cancelled before it started is dropped."""
         while self._pending:

@@ -67,6 +67,18 @@ class TaskFinished(FrozenModel):
     stop_sequence: str | None = None  # which of `params.stop` ended the reply
 
 
+class MemoryRefusal(FrozenModel):
+    """Why memory admission refused a task (`memory_admission.py`), in figures."""
+
+    needed_bytes: int  # the KV bytes the task would add
+    free_bytes: int  # what is free for it (never_fits: with nothing else running)
+    # True: it does not fit even alone (a 400 naming `largest_max_tokens`, 0 when
+    # not even its prompt fits); False: not now (a 503 with Retry-After).
+    never_fits: bool
+    largest_max_tokens: int | None = None
+    retry_after_seconds: int = 1
+
+
 class TaskFailed(FrozenModel):
     kind: Literal["task_failed"] = "task_failed"
     task_id: TaskId
@@ -74,11 +86,15 @@ class TaskFailed(FrozenModel):
     # The runner (or a rank of its pipeline) is gone, not the request at fault:
     # the client is told why, as a 503 it may retry.
     runner_lost: bool = False
+    # Refused before it started: its KV cache would not fit in memory.
+    memory: MemoryRefusal | None = None
 
 
 class CacheStatsReport(FrozenModel):
     kind: Literal["cache_stats"] = "cache_stats"
     stats: CacheStats
+    # What the cache holds, as `prefix_digests` (most recently used first).
+    summary: tuple[int, ...] = ()
 
 
 ToRunner = Annotated[Generate | Cancel | Shutdown, Field(discriminator="kind")]

@@ -122,9 +122,11 @@ def _serve(
 
     runner = Runner(out, inbox, speculation=speculation)
     if layers is None:
+        from exo.worker.runner.memory_admission import memory_settings
         from exo.worker.runner.whole_model import serve_whole_model
 
-        serve_whole_model(runner, model_dir, prefix_cache_bytes, disk)
+        memory = memory_settings(os.environ)  # `--memory-limit-bytes` from the node
+        serve_whole_model(runner, model_dir, prefix_cache_bytes, disk, memory)
     else:
         from exo.worker.runner.split_rank import serve_split_rank
 

@@ -9,9 +9,11 @@ it and runs the role's `keep_alive` (heartbeats, disk writes).
 
 How a task ends: its `Finished`, or a `TaskFailed` — "cancelled", "invalid
 constraint: …" (the request's fault, no traceback), or the exception's name and
-message (the runner goes on). A lost pipeline (`PipelineFailure`) fails every
-task, waiting ones too, as `runner_lost`, and ends the loop by raising. A stop
-ends it by `StopRequested`, which each role handles where it stops cleanly.
+message (the runner goes on), or, before it starts, a refusal of memory
+admission (`memory_admission.py`: `TaskFailed.memory` holds the figures). A
+lost pipeline (`PipelineFailure`) fails every task, waiting ones too, as
+`runner_lost`, and ends the loop by raising. A stop ends it by
+`StopRequested`, which each role handles where it stops cleanly.
 """
 
 from collections.abc import Callable
@@ -27,6 +29,7 @@ from exo.engine.mlx.ring import PipelineFailure
 from exo.shared.types.ids import TaskId
 from exo.shared.types.tasks import SampledLogprobs
 from exo.worker.runner.inbox import Inbox
+from exo.worker.runner.memory_admission import Admitted, MemoryGate, Refused, Waiting
 from exo.worker.runner.protocol import (
     CacheStatsReport,
     FromRunner,
@@ -51,6 +54,8 @@ class Runner:
         self._out = out
         self.inbox = inbox
         self.speculation = speculation
+        # Memory admission, once the model is loaded (None: every task starts).
+        self.memory: MemoryGate | None = None
 
     def send(self, message: FromRunner, flush: bool = True) -> None:
         """Write `message`; `flush=False` leaves it buffered for a later send or
@@ -68,7 +73,7 @@ class Runner:
 
     def report_cache(self, cache: KVPrefixCache | None) -> None:
         if cache is not None:
-            self.send(CacheStatsReport(stats=cache.stats()))
+            self.send(CacheStatsReport(stats=cache.stats(), summary=tuple(cache.summary())))
 
     def report_progress(self, task_id: str, done: int, total: int) -> None:
         """`OneAtATime`'s `on_progress`: progress goes out as the prompt is read."""
@@ -102,7 +107,9 @@ class Runner:
                 for task in [t for t in tasks.values() if self.inbox.is_cancelled(t.task_id)]:
                     batch.cancel(task.task_id)
                     self._end(batch, task, "cancelled")
-                while len(tasks) < batch.max_batch and (task := self.inbox.take()) is not None:
+                while len(tasks) < batch.max_batch:
+                    if (task := self._next_task(batch)) is None:
+                        break
                     self._start(batch, task)
                 for task_id, output in batch.step():
                     self._send_step_output(batch, tasks[task_id], output)
@@ -111,6 +118,31 @@ class Runner:
             for task in [*tasks.values(), *self.inbox.drop_pending()]:
                 self.send(TaskFailed(task_id=task.task_id, error=str(error), runner_lost=True))
             raise
+
+    def _next_task(self, batch: Batch) -> Generate | None:
+        """The next task to start, taken from the inbox. With memory admission
+        (`memory_admission.py`) a task whose KV does not fit is refused here, or
+        left first in line (None) while running requests may free its room; the
+        prefix cache spills to disk first when that makes room."""
+        while (task := self.inbox.peek()) is not None:
+            if self.memory is None:
+                return self.inbox.take()
+            cache = batch.prefix_cache
+            running = list(self.inbox.taken.values())
+            match self.memory.decide(task, running, cache.nbytes if cache is not None else 0):
+                case Waiting():
+                    return None
+                case Refused(refusal=refusal, message=message):
+                    self.inbox.take()
+                    self.inbox.end(task.task_id)
+                    logger.info(f"task {task.task_id} refused: {message}")
+                    self.send(TaskFailed(task_id=task.task_id, error=message, memory=refusal))
+                case Admitted(spill=spill):
+                    if spill > 0 and cache is not None:
+                        cache.spill(spill)
+                        self.report_cache(cache)
+                    return self.inbox.take()
+        return None
 
     def _start(self, batch: Batch, task: Generate) -> None:
         if len(self.inbox.taken) == 1:  # the first since the runner was idle
@@ -135,6 +167,8 @@ class Runner:
             case GenerationFailed(error=error):
                 self._end(batch, task, _failure_message(task, error))
             case Finished():
+                # What the cache holds now first: the next turn may go to any node.
+                self.report_cache(batch.prefix_cache)
                 self.send(_finished_message(task, output), flush=False)
                 self._end(batch, task)
             case TextDelta():

@@ -68,9 +68,11 @@ class RunnerSupervisor:
         prefix_cache_disk_bytes: int = 0,
         standby: Callable[[], Process | None] = lambda: None,
         speculation: bool = True,
+        on_cache_summary: Callable[[tuple[int, ...]], None] = lambda summary: None,
     ) -> None:
         """`standby`: hands over a runner process started ahead (`standby.py`), or
-        None: one is started then. `speculation`: the runner drafts tokens."""
+        None: one is started then. `speculation`: the runner drafts tokens.
+        `on_cache_summary`: what the prefix cache holds, as it changes."""
         self.instance = instance
         self.rank = rank
         self.model_id = instance.model_id
@@ -93,11 +95,14 @@ class RunnerSupervisor:
         self.cache_stats: CacheStats | None = None
         self.restarts = 0
         self._on_status = on_status
+        self._on_cache_summary = on_cache_summary
+        self._cache_summary: tuple[int, ...] | None = None
         self._standby = standby
         self._process: Process | None = None
         self._write_lock = anyio.Lock()
         self._tasks: dict[TaskId, MemoryObjectSendStream[TaskMessage]] = {}
         self._stopping = False
+        self._stop_reason = "the node is shutting down"  # what unfinished tasks are told
         self._exited = anyio.Event()
 
     def _set_status(self, status: RunnerStatus, error: str | None = None) -> None:
@@ -175,7 +180,7 @@ class RunnerSupervisor:
             self._process = None
             if self._stopping:
                 self._set_status("stopped")
-                self._fail_all("the node is shutting down")
+                self._fail_all(self._stop_reason)
             else:
                 reason = self.error or f"runner process exited with code {process.returncode}"
                 self._set_status("failed", reason)
@@ -212,6 +217,9 @@ class RunnerSupervisor:
             self._set_status(message.status, message.error)
         elif isinstance(message, CacheStatsReport):
             self.cache_stats = message.stats
+            if message.summary != self._cache_summary:
+                self._cache_summary = message.summary
+                self._on_cache_summary(message.summary)
         else:
             stream = self._tasks.get(message.task_id)
             if stream is None:
@@ -262,9 +270,11 @@ class RunnerSupervisor:
                     with suppress(*_SEND_ERRORS):
                         await self._send(Cancel(task_id=request.task_id))
 
-    async def shutdown(self) -> None:
-        """Ask the runner to exit and wait (bounded) until it has; `run` then returns."""
+    async def shutdown(self, reason: str = "the node is shutting down") -> None:
+        """Ask the runner to exit and wait (bounded) until it has; `run` then
+        returns. Its unfinished tasks fail with `reason`."""
         self._stopping = True
+        self._stop_reason = reason
         if self._process is None:
             return
         with suppress(*_SEND_ERRORS):

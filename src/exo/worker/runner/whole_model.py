@@ -16,6 +16,7 @@ from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
 from exo.engine.mlx.warm_up import warm_up
 from exo.worker.runner.cache_policy import may_persist, memory_pressure
 from exo.worker.runner.inbox import StopRequested
+from exo.worker.runner.memory_admission import MemorySettings, memory_gate
 from exo.worker.runner.serving import Runner
 
 
@@ -24,8 +25,10 @@ def serve_whole_model(
     model_dir: Path,
     prefix_cache_bytes: int,
     disk: tuple[Path, int] | None,
+    memory: MemorySettings | None = None,
 ) -> None:
-    """Load the model, then serve tasks until the node asks to stop."""
+    """Load the model, then serve tasks until the node asks to stop; with
+    `memory`, a task starts only when its KV fits (`memory_admission.py`)."""
     model, tokenizer = load_for_inference(model_dir)
     cache = (
         KVPrefixCache(
@@ -41,6 +44,8 @@ def serve_whole_model(
     caches = local.make_cache()
     warm_up(local, caches)  # first-use compiles before "ready", not in the first request
     batch = _batch(runner, TextGenerator(local, tokenizer, cache), caches)
+    if memory is not None:
+        runner.memory = memory_gate(model, model_dir, memory)
     runner.ready(cache)
     try:
         runner.serve(batch, keep_alive=lambda: _persist_while_idle(runner, cache))

@@ -1,0 +1,55 @@
+"""What a node tells the cluster about the replicas whose first rank it holds:
+their load and what their prefix caches hold (`ReplicaReported`), so that
+every node's API can route requests among replicas (`exo.api.routing`)."""
+
+from collections.abc import Sequence
+
+from exo.shared.cluster_view import ClusterView
+from exo.shared.types.events import ReplicaReported
+from exo.shared.types.ids import InstanceId, ModelId
+
+
+def local_replica(cluster: ClusterView, model_id: ModelId) -> InstanceId | None:
+    """The instance of `model_id` whose first rank is this node's, if any."""
+    for instance_id, instance in sorted(cluster.state.instances.items()):
+        if instance.model_id == model_id and instance.ranks[0].node_id == cluster.node_id:
+            return instance_id
+    return None
+
+
+def report_load(cluster: ClusterView, model_id: ModelId, load: int) -> None:
+    instance_id = local_replica(cluster, model_id)
+    if instance_id is not None:
+        cluster.publish(
+            ReplicaReported(node_id=cluster.node_id, instance_id=instance_id, load=load)
+        )
+
+
+class CacheReports:
+    """Publishes what each first-rank runner's prefix cache holds, as the
+    digests added and removed since the last report (or since the state's)."""
+
+    def __init__(self, cluster: ClusterView) -> None:
+        self.cluster = cluster
+        self._published: dict[InstanceId, frozenset[int]] = {}
+
+    def changed(self, instance_id: InstanceId, summary: Sequence[int]) -> None:
+        new = frozenset(summary)
+        old = self._published.get(instance_id)
+        if old is None:
+            known = self.cluster.state.replicas.get(instance_id)
+            old = known.cached if known is not None else frozenset[int]()
+        self._published[instance_id] = new
+        added, removed = tuple(sorted(new - old)), tuple(sorted(old - new))
+        if added or removed:
+            self.cluster.publish(
+                ReplicaReported(
+                    node_id=self.cluster.node_id,
+                    instance_id=instance_id,
+                    cached_added=added,
+                    cached_removed=removed,
+                )
+            )
+
+    def forget(self, instance_id: InstanceId) -> None:
+        self._published.pop(instance_id, None)

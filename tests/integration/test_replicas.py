@@ -1,0 +1,187 @@
+"""Two replicas of the built-in model on two real nodes: a session keeps hitting
+its own replica's prefix cache whichever node's API receives its turns, and
+goes to the other replica when its own node freezes."""
+
+import random
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
+from playwright.sync_api import expect
+
+from exo.models.builtin import DEFAULT_MODEL_ID
+from tests.e2e.browser import PageErrors, headless_chromium
+from tests.e2e.node_process import NodeProcess
+from tests.integration.cluster_process import Cluster, agreed, wait_until
+
+pytestmark = pytest.mark.slow
+
+# A relay that hears nothing for 3 keep-alives (3 s here) gives up: the
+# request then goes to the other replica.
+KEEPALIVE = ("--sse-keepalive-seconds", "1")
+WORDS = [
+    "file",
+    "function",
+    "module",
+    "test",
+    "value",
+    "error",
+    "branch",
+    "commit",
+    "review",
+    "agent",
+    "patch",
+    "line",
+]
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[Cluster]:
+    """Two nodes, each with a replica of the built-in model (placed with `replicas: 2`)."""
+    cluster = Cluster(tmp_path_factory.mktemp("replicas"), models_dir)
+    try:
+        a = cluster.start(0, *KEEPALIVE, model="none")
+        cluster.start(1, *KEEPALIVE, model="none")
+        wait_until(lambda: agreed(cluster.nodes), 60, "two nodes agreeing")
+        wait_until(
+            lambda: all(n["telemetry"] for n in a.get("/state")["nodes"].values()),
+            60, "both nodes' telemetry",
+        )  # fmt: skip
+        response = httpx.post(
+            f"{a.base_url}/place_instance",
+            json={"model_id": DEFAULT_MODEL_ID, "replicas": 2, "max_nodes": 1},
+            timeout=30,
+        )
+        assert response.status_code == 201, response.text
+        placed = response.json()
+        assert len(placed["replicas"]) == 2
+        assert {r["ranks"][0]["node_id"] for r in placed["replicas"]} == {
+            n.get("/node_id") for n in cluster.nodes
+        }
+
+        def serving() -> bool:
+            instances = a.get("/instances")["data"]
+            return len(instances) == 2 and all(i["status"] == "ready" for i in instances)
+
+        wait_until(serving, 180, "both replicas ready")
+        for node in cluster.nodes:
+            wait_until(lambda n=node: n.runner_status() == "ready", 60, "each API serving")
+        yield cluster
+    finally:
+        for node in cluster.nodes:
+            freeze(node, False)  # a frozen node cannot stop
+        cluster.stop()
+
+
+def freeze(node: NodeProcess, frozen: bool) -> None:
+    """SIGSTOP (or SIGCONT) the node and its runners."""
+    try:
+        root = psutil.Process(node.process.pid)
+        for process in [root, *root.children(recursive=True)]:
+            process.suspend() if frozen else process.resume()
+    except psutil.NoSuchProcess:
+        pass
+
+
+def system_prompt(session: int) -> str:
+    rng = random.Random(session)
+    text = " ".join(rng.choice(WORDS) for _ in range(300))
+    return f"You are session {session}'s coding agent. Project notes: {text}"
+
+
+class Session:
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.messages: list[ChatCompletionMessageParam] = [
+            {"role": "system", "content": system_prompt(number)}
+        ]
+        self.prompt_tokens: list[int] = []
+        self.cached_tokens: list[int] = []
+
+    def turn(self, node: NodeProcess) -> float:
+        """One turn through `node`'s API; its seconds."""
+        turn = len(self.prompt_tokens)
+        self.messages.append(
+            {"role": "user", "content": f"Step {turn}: what next for line {turn}?"}
+        )
+        client = OpenAI(base_url=f"{node.base_url}/v1", api_key="none", max_retries=0)
+        started = time.monotonic()
+        reply = client.chat.completions.create(
+            model=DEFAULT_MODEL_ID,
+            messages=self.messages,
+            max_tokens=8,
+            temperature=0,
+        )
+        seconds = time.monotonic() - started
+        usage = reply.usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        self.prompt_tokens.append(usage.prompt_tokens)
+        self.cached_tokens.append(usage.prompt_tokens_details.cached_tokens or 0)
+        self.messages.append(
+            {"role": "assistant", "content": reply.choices[0].message.content or ""}
+        )
+        return seconds
+
+
+def routed(node: NodeProcess, reason: str, target: str) -> float:
+    metrics = httpx.get(f"{node.base_url}/metrics", timeout=5).text
+    pattern = rf'exo_routed_requests_total\{{model="{re.escape(DEFAULT_MODEL_ID)}",reason="{reason}",target="{target}"\}} (\S+)'
+    found = re.search(pattern, metrics)
+    return float(found.group(1)) if found else 0.0
+
+
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+
+
+def test_the_dashboard_groups_the_replicas_under_their_model(replicas: Cluster) -> None:
+    a = replicas.nodes[0]
+    with headless_chromium() as browser:
+        page = browser.new_page(viewport={"width": 1280, "height": 820})
+        errors = PageErrors(page)
+        page.goto(f"{a.base_url}/#models")
+        group = page.locator(f'.replica-group[data-replicas-of="{DEFAULT_MODEL_ID}"]')
+        expect(group.locator(".instance")).to_have_count(2, timeout=30_000)
+        expect(group.locator(".replica-head")).to_contain_text("2 replicas")
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=SCREENSHOTS / "models-replicas.png", full_page=True)
+        assert errors.seen == []
+
+
+def test_sessions_keep_their_cache_whichever_node_receives_them_and_move_when_it_freezes(
+    replicas: Cluster,
+) -> None:
+    a, b = replicas.nodes
+    sessions = [Session(n) for n in range(2)]
+    for turn in range(3):
+        for session in sessions:
+            # Round-robin over the nodes' APIs: each turn through the other node.
+            session.turn(replicas.nodes[(session.number + turn) % 2])
+    for session in sessions:
+        for turn in (1, 2):
+            reusable = session.prompt_tokens[turn - 1]  # the last turn's prompt, at least
+            assert session.cached_tokens[turn] >= 0.95 * reusable, (
+                f"session {session.number} turn {turn}: {session.cached_tokens[turn]} of "
+                f"{reusable} tokens cached"
+            )
+    # Half the turns reached the node without the session's cache: relayed for it.
+    assert routed(a, "cache", "remote") + routed(b, "cache", "remote") >= 2
+
+    # Session 1 began on B (through B's API, nothing cached anywhere: B's own
+    # replica). With B frozen, its next turn through A is answered by A.
+    freeze(b, True)
+    try:
+        seconds = sessions[1].turn(a)
+        assert sessions[1].messages[-1].get("content")
+        assert seconds < 60
+        assert "trying another" in a.log()
+        # The frozen replica is left out for a while: the next turn is not delayed.
+        sessions[1].turn(a)
+        assert sessions[1].cached_tokens[-1] >= 0.95 * sessions[1].prompt_tokens[-2]
+    finally:
+        freeze(b, False)
