@@ -75,3 +75,11 @@ def test_only_an_instance_s_first_rank_reports_for_it() -> None:
     assert may_originate(STATE, B, ReplicaReported(node_id=B, instance_id=I2, load=1))
     # Folded anyway (an older log), a report from another rank changes nothing.
     assert apply(STATE, ev(as_b, B)).replicas == {}
+
+
+def test_a_lone_instance_reports_nothing() -> None:
+    """Nothing to choose between: no events to grow the log with."""
+    alone = Node(A, State(instances={I1: inst(I1, A)}))
+    report_load(alone, MODEL, 2)  # type: ignore[arg-type]
+    CacheReports(alone).changed(I1, [1, 2])  # type: ignore[arg-type]
+    assert alone.published == []

@@ -154,7 +154,8 @@ class AccessMiddleware:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
-        label = self.node_label() if self.node_label else None
+        # Only a refused key names the node (and a node without a key never asks).
+        label = self.node_label() if self.node_label and self.access.api_key else None
         error = access_error(request, self.access, label)
         if error is None:
             await self.app(scope, receive, send)

@@ -24,7 +24,7 @@ ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("cache-aware", "least-loaded", "r
 # could prefill meanwhile: little while it runs beside it in the batch (a batch
 # decodes its rows together), much when the new one has to wait for a slot.
 RUNNING_REQUEST_TOKENS = 128
-WAITING_REQUEST_TOKENS = 2048
+WAITING_REQUEST_TOKENS = 1024
 
 RouteReason = Literal["cache", "load", "least-loaded", "round-robin", "only"]
 

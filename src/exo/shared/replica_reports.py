@@ -17,9 +17,15 @@ def local_replica(cluster: ClusterView, model_id: ModelId) -> InstanceId | None:
     return None
 
 
+def has_replicas(cluster: ClusterView, model_id: ModelId) -> bool:
+    """Whether the cluster has more than one instance of `model_id`: only then
+    is there a choice to route (a lone instance's reports would only grow the log)."""
+    return sum(i.model_id == model_id for i in cluster.state.instances.values()) > 1
+
+
 def report_load(cluster: ClusterView, model_id: ModelId, load: int) -> None:
     instance_id = local_replica(cluster, model_id)
-    if instance_id is not None:
+    if instance_id is not None and has_replicas(cluster, model_id):
         cluster.publish(
             ReplicaReported(node_id=cluster.node_id, instance_id=instance_id, load=load)
         )
@@ -34,6 +40,9 @@ class CacheReports:
         self._published: dict[InstanceId, frozenset[int]] = {}
 
     def changed(self, instance_id: InstanceId, summary: Sequence[int]) -> None:
+        instance = self.cluster.state.instances.get(instance_id)
+        if instance is None or not has_replicas(self.cluster, instance.model_id):
+            return  # reported once there are replicas: at the next change
         new = frozenset(summary)
         old = self._published.get(instance_id)
         if old is None:
