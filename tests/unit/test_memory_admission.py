@@ -3,7 +3,6 @@ the KV caches a real tiny model allocates, and the runner's serving loop with a
 small memory limit (400, 503 after a bounded wait, the prefix cache spilling to
 disk before anything is refused)."""
 
-import io
 import itertools
 import queue
 import random
@@ -54,10 +53,10 @@ from exo.worker.runner.protocol import (
     TaskFailed,
     TaskFinished,
     ToRunner,
-    from_runner_adapter,
 )
 from exo.worker.runner.serving import Runner
 from tests.model_factory import make_tiny_model
+from tests.unit.test_serving import ProtocolOut
 
 Loaded = tuple[nn.Module, TokenizerWrapper]
 EOS = 2  # the tiny models' end of sequence: kept out of long replies
@@ -227,24 +226,6 @@ def test_the_prediction_holds_the_caches_a_real_model_allocates(
     merged = [type(layers[0]).merge(list(layers)) for layers in zip(*rows, strict=True)]
     mx.eval([layer.state for layer in merged])
     assert sum(layer.nbytes for layer in merged) <= batch_kv([30, 300], kv_of)
-
-
-class ProtocolOut(io.StringIO):
-    def __init__(self, on_message: Callable[[FromRunner], None]) -> None:
-        super().__init__()
-        self.messages: list[FromRunner] = []
-        self._on_message = on_message
-
-    def write(self, s: str, /) -> int:
-        for line in s.splitlines():
-            message = from_runner_adapter.validate_json(line)
-            self.messages.append(message)
-            self._on_message(message)
-        return super().write(s)
-
-    @property
-    def ended(self) -> int:
-        return sum(isinstance(m, TaskFinished | TaskFailed) for m in self.messages)
 
 
 def serve(
