@@ -2,7 +2,8 @@
 // a line between nodes that serve an instance together) and a card per node:
 // its status from the master's link (ready, unreachable, timed out), when it
 // was last heard (counted up on screen: `tickLastHeard`), its host name, and
-// a link to its own dashboard.
+// a link to its own dashboard, and what it set aside of its history after a
+// partition.
 
 import { ago, badge, bar, bytes, html, rankLayers, raw, shortId, shortModel } from "./format.js";
 
@@ -91,12 +92,22 @@ function statusNote(node, cluster) {
   return "";
 }
 
+/** What the node set aside of its own history when it took the master's (a
+ * healed partition: the other side's master won), or "" when nothing. */
+function setAsideNote(node, cluster) {
+  const aside = cluster.state.set_aside?.[node.node_id];
+  if (!aside) return "";
+  const when = ago(Math.max(0, cluster.nodeNow() - aside.at_ms));
+  return `Its history diverged from the master's (a partition?): ${aside.events} event(s) from index ${aside.from_idx} were set aside ${when}, kept in its data dir as ${aside.kept_as}.`;
+}
+
 function nodeCard(node, cluster) {
   const t = node.telemetry;
   const master = node.node_id === cluster.state.master_id;
   const serves = ranksOn(node, cluster.instances);
   const here = node.node_id === cluster.nodeId;
   const note = statusNote(node, cluster);
+  const aside = setAsideNote(node, cluster);
   return html`<div class="card node-card" data-node-id="${node.node_id}" data-status="${node.status}"
       ${master ? raw("data-master") : ""}>
     <div class="node-head">
@@ -108,6 +119,7 @@ function nodeCard(node, cluster) {
     <div class="muted small mono">${node.node_id}${node.api_address ? ` · ${node.api_address}` : ""}
       ${node.api_address && !here ? html` · <a class="dashboard-link" href="http://${node.api_address}/" target="_blank" rel="noopener">its dashboard</a>` : ""}</div>
     ${note ? html`<div class="status-note ${node.status.replace(/ /g, "-")}">${note}</div>` : ""}
+    ${aside ? html`<div class="status-note set-aside">${aside}</div>` : ""}
     <dl>
       <dt>RAM</dt>
       <dd>${t ? html`${bar(ramUsed(t), t.ram_total, "ram")} ${bytes(ramUsed(t))} used of ${bytes(t.ram_total)}` : "—"}</dd>

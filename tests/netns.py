@@ -1,6 +1,9 @@
 """A private LAN of network namespaces for tests that run real nodes as on
 separate machines: one namespace per node, a veth from each to one bridge,
-private IPv4 addresses, multicast (real mDNS) between them.
+private IPv4 addresses, multicast (real mDNS) between them. `cut` partitions
+the LAN (nodes on one side stop hearing those on the other, as when a switch
+between them fails: packets are lost, not refused), `heal` joins it again;
+the test process reaches every node throughout.
 
 Needs Linux, root and `ip` (CI runs as root); `NetnsLan.create` raises `NetnsUnavailable`
 with the reason where it cannot be built, and everything it made is removed on
@@ -12,6 +15,9 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+# A locally administered MAC that no interface has: where `cut` sends packets.
+NOWHERE_MAC = "02:00:00:00:de:ad"
 
 
 class NetnsUnavailable(RuntimeError):
@@ -35,6 +41,8 @@ class NetnsLan:
     namespaces: list[str] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
     _bridge_up: bool = False
+    # (namespace index, address) of every neighbour entry `cut` made.
+    _cuts: set[tuple[int, str]] = field(default_factory=set)
 
     @property
     def bridge(self) -> str:
@@ -86,7 +94,31 @@ class NetnsLan:
         """`argv` run inside namespace `i`."""
         return ["ip", "netns", "exec", self.namespaces[i], *argv]
 
+    def cut(self, side: Sequence[int], other: Sequence[int] | None = None) -> None:
+        """Nodes `side` and nodes `other` (default: all the rest) stop hearing
+        each other, both ways, while both still reach the bridge's gateway (the
+        test process). Each names the other's address with a MAC no port has
+        (a permanent neighbour entry): the bridge floods those frames and every
+        host drops them, so packets vanish as on a dead link (TCP retransmits,
+        nothing refuses; a blackhole route would fail `connect` at once)."""
+        rest = [i for i in range(len(self.namespaces)) if i not in side] if other is None else other
+        for a, b in ((a, b) for a in side for b in rest):
+            for here, there in ((a, b), (b, a)):
+                inside = ("netns", "exec", self.namespaces[here], "ip")
+                address = self.addresses[there]
+                _ip(*inside, "neigh", "replace", address, "lladdr", NOWHERE_MAC,
+                    "nud", "permanent", "dev", "eth0")  # fmt: skip
+                self._cuts.add((here, address))
+
+    def heal(self) -> None:
+        """Undo every `cut` (the addresses are resolved again, by ARP)."""
+        for here, address in sorted(self._cuts):
+            inside = ("netns", "exec", self.namespaces[here], "ip")
+            _ip(*inside, "neigh", "del", address, "dev", "eth0", check=False)
+        self._cuts.clear()
+
     def close(self) -> None:
+        self._cuts.clear()  # the entries go with their namespaces
         for namespace in self.namespaces:  # takes its veth (and the host end) with it
             _ip("netns", "del", namespace, check=False)
         self.namespaces.clear()

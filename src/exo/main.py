@@ -23,6 +23,7 @@ from exo.api.admission import (
 from exo.api.app import KEEPALIVE_SECONDS
 from exo.api.http_server import DEFAULT_CLIENT_STALL_SECONDS
 from exo.api.model_alias import parse_model_alias
+from exo.api.reply_retry import DEFAULT_RETRY_SECONDS
 from exo.api.routing import ROUTING_POLICIES
 from exo.cluster.auth import validate_secret
 from exo.cluster.timing import LinkTiming
@@ -115,6 +116,16 @@ def _routing(text: str) -> str:
     return text.lower()
 
 
+def _non_negative_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds >= 0")
+    return seconds
+
+
 def _speculation(text: str) -> str:
     if text.lower() not in SPECULATION_MODES:
         raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(SPECULATION_MODES)}")
@@ -149,6 +160,8 @@ FLAGS: tuple[Flag, ...] = (
          "(fnmatch patterns, first match wins), e.g. 'claude-*=MODEL'; claude-* names go to the only served model when there is one", ""),
     Flag("--speculation", "EXO_SPECULATION", f"speculative decoding's drafts, one of {', '.join(SPECULATION_MODES)}: "
          "prompt-lookup drafts tokens from the prompt (and a request's prediction), none turns drafting off", "prompt-lookup", _speculation),
+    Flag("--retry-seconds", "EXO_RETRY_SECONDS", "how long a request whose runner or node is lost before its first token is run again "
+         "(on the restarted runner, another instance, or the model placed again) before it fails; 0 turns retrying off", str(DEFAULT_RETRY_SECONDS), _non_negative_seconds),
     Flag("--routing", "EXO_ROUTING", f"how this node chooses among a model's replicas, one of {', '.join(ROUTING_POLICIES)}: "
          "cache-aware sends a request where the longest prefix of its prompt is cached unless that replica is much busier", "cache-aware", _routing),
     Flag("--grpc-host", "EXO_GRPC_HOST", "address the cluster link (gRPC) binds to", "0.0.0.0", scope="cluster"),
@@ -336,6 +349,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         min_free_disk_bytes=args.min_free_disk_bytes,
         speculation=args.speculation != "none",
         routing=args.routing,
+        retry_seconds=args.retry_seconds,
     )
 
 

@@ -3,6 +3,7 @@
 import math
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from exo.api.auth import APIAccess, is_loopback_address
 from exo.api.http_server import DEFAULT_CLIENT_STALL_SECONDS, api_server
 from exo.api.model_alias import ModelAlias
 from exo.api.ollama_routes import with_ollama_root
+from exo.api.reply_retry import DEFAULT_RETRY_SECONDS
 from exo.api.routing import RoutingPolicy
 from exo.cluster.discovery import MdnsDiscovery, default_advertised_addresses
 from exo.cluster.link import ClusterLink
@@ -83,6 +85,8 @@ class NodeConfig:
     ollama_port: int | None = None
     # How the API chooses among a model's replicas (`exo.api.routing`).
     routing: RoutingPolicy = "cache-aware"
+    # How long a request lost before its first token is retried (`exo.api.reply_retry`).
+    retry_seconds: float = DEFAULT_RETRY_SECONDS
 
     def model_store(self) -> ModelStore:
         return ModelStore(self.models_dir, self.read_only_models_dirs)
@@ -178,10 +182,13 @@ async def _keep_this_node_in_the_state(
     joined: NodeJoined,
     stale: frozenset[InstanceId],
     n_layers: int,
+    publish_models: Callable[[], Awaitable[None]],
 ) -> None:
     """Report telemetry (when it changed materially); ask for an instance of this
     node's model once joined; and rejoin (asking again) after the master timed
-    this node out."""
+    this node out (or it took the master's history after a partition), telling
+    again which models it has: a timeout took them out of the state, and
+    without them no instance with a rank here would start on the other nodes."""
     telemetry_every = config.timing.node_timeout_seconds / 4
     heartbeat = config.timing.heartbeat_seconds
     wanted = config.model_id if config.worker else None
@@ -202,6 +209,7 @@ async def _keep_this_node_in_the_state(
             if now - last_join > telemetry_every:  # the join of a moment ago may be in flight
                 logger.warning("this node is missing from the cluster state; rejoining")
                 link.publish(joined)
+                await publish_models()
                 last_join = now
                 wanted = config.model_id if config.worker else None
         elif (
@@ -320,10 +328,14 @@ async def _run_node(config: NodeConfig) -> None:
             hostname=socket.gethostname() or None,
         )
         link.publish(joined)  # first: events about this node's instances need the node
-        if worker is not None:
-            await worker.publish_local_models()
-        else:
-            await publish_local_models(link, models)
+
+        async def publish_models() -> None:
+            if worker is not None:
+                await worker.publish_local_models()
+            else:
+                await publish_local_models(link, models)
+
+        await publish_models()
         if config.discovery:
             discovery = MdnsDiscovery(
                 node_id,
@@ -331,7 +343,9 @@ async def _run_node(config: NodeConfig) -> None:
                 addresses=None if config.grpc_host in ("0.0.0.0", "") else [advertised],
             )
             group.start_soon(discovery.run, lambda peer: link.add_peer_address(peer.address))
-        group.start_soon(_keep_this_node_in_the_state, config, link, joined, stale, n_layers)
+        group.start_soon(
+            _keep_this_node_in_the_state, config, link, joined, stale, n_layers, publish_models
+        )
         if worker is not None:
             group.start_soon(worker.run)
         try:
@@ -351,6 +365,7 @@ async def _run_node(config: NodeConfig) -> None:
                     limits=config.admission,
                     access=access,
                     routing=config.routing,
+                    retry_seconds=config.retry_seconds,
                 )
                 served = (
                     app if config.ollama_port is None else with_ollama_root(app, config.ollama_port)

@@ -18,6 +18,7 @@ import psutil
 
 from exo.worker.runner.standby import is_runner_process
 from tests.e2e.node_process import NodeProcess, free_port
+from tests.integration.cluster_process import agreed, wait_until
 from tests.netns import NetnsLan, NetnsUnavailable
 
 SECRET = "chaos-secret"
@@ -69,6 +70,12 @@ class LanCluster:
             node.wait_for_api()
             self.ids[i] = node.get("/node_id")
         return started
+
+    def start_agreeing(self, *indices: int, model: str) -> None:
+        """Start nodes `indices` and wait until they agree and know `model`'s card."""
+        self.start(*indices)
+        wait_until(lambda: agreed(self.running()), 60, f"{len(indices)} nodes agreeing")
+        wait_until(lambda: model in self.state()["cards"], 20, "the model's card")
 
     def _spawn(self, i: int) -> NodeProcess:
         host, api_port, grpc_port = self._address(i)

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.slow
 MAX_BODY_BYTES = 64 * 1024
 KEEPALIVE_SECONDS = 1.0
 RELAY_READ_TIMEOUT = 3 * KEEPALIVE_SECONDS  # what the relaying node derives
+# How long the relaying node waits for another replica after a failed relay.
+RETRY_SECONDS = 2.0
 # Greedy continuation of a count: a generation that runs for as long as the test needs.
 COUNTING: dict[str, Any] = {
     "model": DEFAULT_MODEL_ID,
@@ -161,7 +163,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Itera
     """Node 0 serves the model (one slot, no queue); node 1 only relays."""
     started = Cluster(tmp_path_factory.mktemp("relay"), models_dir)
     # Long enough that the master does not drop the frozen node during a test.
-    common = ("--sse-keepalive-seconds", str(KEEPALIVE_SECONDS), "--node-timeout-seconds", "60")
+    common = (
+        "--sse-keepalive-seconds", str(KEEPALIVE_SECONDS),
+        "--node-timeout-seconds", "60",
+        "--retry-seconds", str(RETRY_SECONDS),
+    )  # fmt: skip
     try:
         serving = started.start(
             0, *common, "--max-concurrent", "1", "--max-queued", "0", model=DEFAULT_MODEL_ID
@@ -225,8 +231,9 @@ def test_a_relay_to_a_frozen_node_ends_with_504_within_the_bound(cluster: Cluste
         elapsed = time.monotonic() - started
     finally:
         serving.process.send_signal(signal.SIGCONT)
-    # A liveness check every read timeout, each bounded by it: two periods at most.
-    assert elapsed < 2 * RELAY_READ_TIMEOUT + 3
+    # A liveness check every read timeout, each bounded by it: two periods at
+    # most; then no other replica comes within the retry bound.
+    assert elapsed < 2 * RELAY_READ_TIMEOUT + RETRY_SECONDS + 3
     openai_answer, anthropic_answer = answers["/v1/chat/completions"], answers["/v1/messages"]
     assert openai_answer.status_code == 504
     assert openai_answer.json()["error"]["code"] == "relay_timeout"

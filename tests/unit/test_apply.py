@@ -10,6 +10,7 @@ from exo.shared.types.events import (
     DownloadProgressed,
     DownloadRemoved,
     Event,
+    HistoryDiverged,
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
@@ -28,6 +29,7 @@ from exo.shared.types.events import (
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.runner import RunnerStatus
 from exo.shared.types.state import (
+    HistorySetAside,
     Instance,
     InstanceRank,
     InstanceStatus,
@@ -113,6 +115,9 @@ GONE_C = BASE.model_copy(update={"gone_nodes": {C: node(C, timed_out_at_ms=50)}}
 LOST_B = BASE.model_copy(
     update={"nodes": {**BASE.nodes, B: node(B, last_heartbeat_ms=150, unreachable_since_ms=200)}}
 )
+
+
+SET_ASIDE = HistorySetAside(at_ms=190, from_idx=7, events=3, kept_as="events.log.diverged-190")
 
 
 def ev(event: Event, origin: NodeId = A, at_ms: int = 200) -> IndexedEvent:
@@ -372,6 +377,17 @@ CASES: list[tuple[str, IndexedEvent, State] | tuple[str, IndexedEvent, State, St
         with_(BASE),
     ),
     (
+        "a node reports the history it set aside (even one that timed out)",
+        ev(HistoryDiverged(node_id=C, set_aside=SET_ASIDE), C),
+        with_(BASE, set_aside={C: SET_ASIDE}),
+    ),
+    (
+        "a later report replaces the node's earlier one",
+        ev(HistoryDiverged(node_id=C, set_aside=SET_ASIDE), C),
+        with_(BASE, set_aside={C: SET_ASIDE}),
+        BASE.model_copy(update={"set_aside": {C: SET_ASIDE.model_copy(update={"at_ms": 1})}}),
+    ),
+    (
         "an event from an unknown origin only advances the index",
         ev(MasterElected(master_id=A, term=3), GHOST),
         with_(BASE),
@@ -402,7 +418,7 @@ def test_every_event_kind_has_a_case() -> None:
         for cls in (NodeJoined, NodeTelemetryReported, NodeTimedOut, NodeUnreachable,
                     NodeReachable, NodeForgotten, MasterElected,
                     InstanceCreated, InstanceDeleted, RunnerStatusChanged, ModelCardPublished,
-                    DownloadProgressed, DownloadRemoved, ModelFoldersUnreadable)
+                    DownloadProgressed, DownloadRemoved, ModelFoldersUnreadable, HistoryDiverged)
     }  # fmt: skip
     assert kinds == all_kinds
 

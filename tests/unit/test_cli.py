@@ -49,6 +49,8 @@ def samples(flag: Flag) -> tuple[tuple[str, object], tuple[str, object]]:
         return ("none", "none"), ("Prompt-Lookup", "prompt-lookup")
     if flag.name == "--routing":
         return ("round-robin", "round-robin"), ("Least-Loaded", "least-loaded")
+    if flag.name == "--retry-seconds":
+        return ("2.5", 2.5), ("0", 0.0)
     by_type: dict[object, tuple[tuple[str, object], tuple[str, object]]] = {
         int: (("7", 7), ("8", 8)),
         float: (("2.5", 2.5), ("3.5", 3.5)),
@@ -234,6 +236,8 @@ def test_an_empty_env_var_counts_as_unset(monkeypatch: pytest.MonkeyPatch) -> No
             "EXO_SPECULATION='eagle': 'eagle' is not one of prompt-lookup, none",
         ),
         (["--routing", "random"], {}, "'random' is not one of cache-aware, least-loaded"),
+        (["--retry-seconds", "-1"], {}, "'-1' is not a finite number of seconds >= 0"),
+        (["--retry-seconds", "soon"], {}, "'soon' is not a number of seconds"),
         (["bogus"], {}, "invalid choice: 'bogus'"),
         (["--bogus"], {}, "unrecognized arguments: --bogus"),
         ([*COMMANDS["download"], "--api-port", "1"], {}, "unrecognized arguments: --api-port"),

@@ -264,6 +264,21 @@ def test_a_log_that_starts_after_its_snapshot_is_refused(tmp_path: Path) -> None
         open_master(tmp_path)
 
 
+def test_a_reset_reports_the_events_from_where_the_histories_parted(tmp_path: Path) -> None:
+    store = open_master(tmp_path)
+    fill_store(store, 10)
+    assert store.set_aside is None
+    set_aside = store.reset(diverged_at=7)
+    assert (set_aside.from_idx, set_aside.events) == (7, 3)
+    assert (tmp_path / set_aside.kept_as).exists()
+    assert store.set_aside == set_aside
+    # Unknown where: all of it.
+    store.index(A, with_ids("again", [joined(A), joined(B)]))
+    assert store.reset() == store.set_aside
+    assert store.set_aside is not None
+    assert (store.set_aside.from_idx, store.set_aside.events) == (0, 2)
+
+
 def test_a_reset_sets_the_snapshot_aside_too(tmp_path: Path) -> None:
     store = compacting(tmp_path)
     fill_store(store, 150)

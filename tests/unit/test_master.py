@@ -22,6 +22,7 @@ from exo.shared.types.events import (
     DownloadProgressed,
     DownloadRemoved,
     Event,
+    HistoryDiverged,
     InstanceCreated,
     InstanceDeleted,
     MasterElected,
@@ -37,6 +38,7 @@ from exo.shared.types.events import (
 )
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.state import (
+    HistorySetAside,
     Instance,
     InstanceRank,
     NodeInfo,
@@ -61,6 +63,7 @@ def telemetry(ram_gb: float) -> NodeTelemetry:
 PROGRESS = DownloadProgress(
     model_id=M, status="downloading", files_total=1, files_done=0, bytes_total=10, bytes_done=5
 )
+SET_ASIDE = HistorySetAside(at_ms=1, from_idx=4, events=2, kept_as="events.log.diverged-1")
 
 
 def cluster(
@@ -209,6 +212,8 @@ MINE = {RING.instance_id: RING, ALONE.instance_id: ALONE}
         (B, ModelFoldersUnreadable(node_id=B, folders=()), True),
         (B, ModelFoldersUnreadable(node_id=C, folders=()), False),
         (B, ModelCardPublished(card=CARD), True),
+        (B, HistoryDiverged(node_id=B, set_aside=SET_ASIDE), True),
+        (B, HistoryDiverged(node_id=C, set_aside=SET_ASIDE), False),
         (B, InstanceDeleted(instance_id=ALONE.instance_id), True),  # only B serves it
         (C, InstanceDeleted(instance_id=ALONE.instance_id), False),
         (B, InstanceDeleted(instance_id=RING.instance_id), False),  # C serves it too

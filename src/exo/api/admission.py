@@ -211,10 +211,16 @@ async def admit(model_id: ModelId) -> Slot:
     request = _current.get()
     if request is None:
         return UNLIMITED
+    gate = request.admission.gate(model_id)
+
+    async def acquire() -> Slot:
+        slot = await gate.acquire()
+        # Held at once: a cancellation from here on cannot lose the slot.
+        request.held.append(slot)
+        return slot
+
     # A client that leaves while its request waits gives its place up (499).
-    slot = await until_disconnect(request.http, request.admission.gate(model_id).acquire)
-    request.held.append(slot)
-    return slot
+    return await until_disconnect(request.http, acquire)
 
 
 class AdmissionMiddleware:

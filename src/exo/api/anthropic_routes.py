@@ -10,6 +10,7 @@ from exo.api import anthropic
 from exo.api.anthropic_types import CountTokensRequest, MessagesRequest, TokenCount
 from exo.api.dispatch import dispatch
 from exo.api.generation import count_prompt_tokens, prepare_reply
+from exo.api.reply_retry import ReplyRetry
 from exo.api.serving import ModelRouter, Relay, relay, sse_response, until_disconnect
 from exo.shared.types.chat import ChatRequest
 from exo.worker.served_model import ServedModel
@@ -30,9 +31,11 @@ def anthropic_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter
         def chat_for(model: ServedModel) -> ChatRequest:
             return anthropic.to_chat_request(body).model_copy(update={"model": model.model_id})
 
-        async def answer(model: ServedModel) -> Response | dict[str, object]:
+        async def answer(model: ServedModel, retry: ReplyRetry) -> Response | dict[str, object]:
             chat = chat_for(model)
-            reply = await prepare_reply(model, chat, keepalive_seconds, anthropic_tool_use_id)
+            reply = await prepare_reply(
+                model, chat, keepalive_seconds, anthropic_tool_use_id, retry=retry
+            )
             show_thinking = anthropic.shows_thinking(body)
             if body.stream:
                 return sse_response(anthropic.message_stream(reply, show_thinking))

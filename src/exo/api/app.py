@@ -23,6 +23,7 @@ from exo.api.metrics import MetricsMiddleware, ServingMetrics
 from exo.api.model_alias import ModelAlias
 from exo.api.ollama_routes import ollama_routes
 from exo.api.openai_routes import openai_routes
+from exo.api.reply_retry import DEFAULT_RETRY_SECONDS
 from exo.api.responses_routes import responses_routes
 from exo.api.routing import RoutingPolicy
 from exo.api.serving import ModelRouter, relay_read_timeout
@@ -57,6 +58,7 @@ def create_app(
     limits: AdmissionLimits | None = None,
     access: APIAccess | None = None,
     routing: RoutingPolicy = "cache-aware",
+    retry_seconds: float = DEFAULT_RETRY_SECONDS,
 ) -> FastAPI:
     app = FastAPI(title="exo", version="0.1.0")
     install_error_handlers(app)
@@ -83,6 +85,7 @@ def create_app(
         policy=routing,
         local_load=admission.load,
         slots=limits.max_concurrent,
+        retry_seconds=retry_seconds,
     )
     app.include_router(openai_routes(router, keepalive_seconds))
     app.include_router(anthropic_routes(router, keepalive_seconds))

@@ -1,28 +1,39 @@
 """Where a generation request is answered: this node's replica of the model or
 another node's (`choose_replica`: the longest cached prefix of the prompt,
-unless that replica is much busier), and another replica when the chosen
-node fails before its answer begins."""
+unless that replica is much busier), and, when the chosen one is lost before
+its answer begins, another replica or the one the master places again
+(`reply_retry`)."""
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import anyio
 from fastapi import Request
 from loguru import logger
 from starlette.responses import Response
 
 from exo.api.errors import APIError
 from exo.api.generation import check_prompt_size, render
-from exo.api.metrics import observe_route
-from exo.api.serving import ROUTED_HEADER, ModelRouter, relay
+from exo.api.metrics import observe_retry, observe_route
+from exo.api.reply_retry import (
+    MAX_ATTEMPTS,
+    POLL_SECONDS,
+    ReplyRetry,
+    is_unanswered,
+    lost_unanswered,
+)
+from exo.api.routing import Replica
+from exo.api.serving import ROUTED_HEADER, ModelRouter, relay, until_disconnect
 from exo.shared.prefix_digests import prefix_digests
 from exo.shared.types.chat import ChatRequest
-from exo.shared.types.ids import InstanceId
+from exo.shared.types.ids import InstanceId, ModelId
 from exo.worker.served_model import ServedModel
 
 T = TypeVar("T")
 
 # Errors of a relay before the serving node answered anything: another replica may.
-RELAY_FAILURES = ("relay_failed", "relay_timeout")
+RELAY_FAILURES = ("relay_failed", "relay_timeout", "relay_unanswered")
 
 
 async def dispatch(
@@ -30,48 +41,93 @@ async def dispatch(
     name: str,
     request: Request,
     chat_for: Callable[[ServedModel], ChatRequest],
-    answer: Callable[[ServedModel], Awaitable[T]],
+    answer: Callable[[ServedModel, ReplyRetry], Awaitable[T]],
 ) -> T | Response:
     """`answer` with this node's model, or the request relayed to the replica
     routing chooses. `chat_for` is the request as the generation service takes
     it (rendered here to compare the prompt with what each replica cached)."""
     model_id = router.resolve(name)
-    local = router.models.get(model_id)
-    if local is not None and ROUTED_HEADER in request.headers:
-        return await answer(local)  # the node that took the request chose this one
+    retry = router.reply_retry(routed=ROUTED_HEADER in request.headers)
+    if retry.routed:  # the node that took the request chose this one
+        local = router.models.get(model_id)
+        if local is None:  # its instance went away meanwhile: that node routes it again
+            raise lost_unanswered(f"this node no longer serves {model_id}")
+        return await until_disconnect(request, lambda: answer(local, retry))
     tried: set[InstanceId] = set()
+    lost_local: ServedModel | None = None  # this node's model, once it lost the request
     failure: APIError | None = None
-    while True:
-        replicas = router.replicas(model_id, exclude=tried)
-        if local is not None and not any(r.local for r in replicas) and not tried:
-            return await answer(local)  # the state has not caught up with this node's runner
-        if not replicas:
-            if failure is not None:
+    for _ in range(MAX_ATTEMPTS):
+        if failure is not None:
+            # Within --retry-seconds of the first loss (also when it was this node's).
+            replicas, local = await _back(router, model_id, tried, lost_local, retry.deadline())
+            if not replicas and local is None:
                 raise failure
-            router.not_served(name, model_id)
-        digests = None
-        if len(replicas) > 1 and local is not None and router.policy == "cache-aware":
-            chat = chat_for(local)
-            check_prompt_size(local, chat)
-            digests = prefix_digests((await render(local, chat)).tokens)
-        route = router.choose(replicas, digests)
-        replica = route.replica
-        where = "this node" if replica.local else f"node {replica.node_id}"
-        logger.log(
-            "INFO" if len(replicas) > 1 else "DEBUG",
-            f"routed a {model_id} request to {where} (instance {replica.instance_id}, "
-            f"{route.reason}, ~{route.cached_tokens} prompt tokens cached there, "
-            f"load {replica.load})",
-        )
-        observe_route(model_id, route.reason, replica.local, route.cached_tokens)
-        if replica.local and local is not None:
-            return await answer(local)
-        try:
-            return await relay(router.relay_to(replica, model_id), request)
-        except APIError as error:
-            if error.code not in RELAY_FAILURES:
-                raise
-            logger.warning(f"{where} failed before answering ({error.message}); trying another")
-            router.failed(replica.instance_id)
-            tried.add(replica.instance_id)
-            failure = error
+            observe_retry(model_id, "rerouted")
+        else:
+            replicas = router.replicas(model_id)
+            local = router.models.get(model_id)
+        if local is not None and not any(r.local for r in replicas):
+            # The state has not caught up with this node's runner (or lost it).
+            route_local = True
+        else:
+            if not replicas:
+                router.not_served(name, model_id)
+            digests = None
+            if len(replicas) > 1 and local is not None and router.policy == "cache-aware":
+                chat = chat_for(local)
+                check_prompt_size(local, chat)
+                digests = prefix_digests((await render(local, chat)).tokens)
+            route = router.choose(replicas, digests)
+            replica = route.replica
+            where = "this node" if replica.local else f"node {replica.node_id}"
+            logger.log(
+                "INFO" if len(replicas) > 1 else "DEBUG",
+                f"routed a {model_id} request to {where} (instance {replica.instance_id}, "
+                f"{route.reason}, ~{route.cached_tokens} prompt tokens cached there, "
+                f"load {replica.load})",
+            )
+            observe_route(model_id, route.reason, replica.local, route.cached_tokens)
+            route_local = replica.local and local is not None
+            if not route_local:
+                try:
+                    return await relay(router.relay_to(replica, model_id), request)
+                except APIError as error:
+                    if error.code not in RELAY_FAILURES:
+                        raise
+                    logger.warning(
+                        f"{where} failed before answering ({error.message}); trying another"
+                    )
+                    router.failed(replica.instance_id)
+                    tried.add(replica.instance_id)
+                    failure = error
+        if route_local:
+            assert local is not None
+            try:
+                return await answer(local, retry)
+            except APIError as error:
+                if not is_unanswered(error):
+                    raise
+                logger.warning(f"this node lost the request before answering ({error.message})")
+                tried.add(local.runner.instance.instance_id)
+                lost_local, failure = local, error
+    assert failure is not None
+    raise failure
+
+
+async def _back(
+    router: ModelRouter,
+    model_id: ModelId,
+    tried: set[InstanceId],
+    lost_local: ServedModel | None,
+    deadline: float,
+) -> tuple[list[Replica], ServedModel | None]:
+    """Where a request lost before its answer began can go now: the model's
+    replicas not tried yet, and this node's model unless it is the one that
+    lost it; waited for (a re-placement) until the deadline."""
+    while True:
+        local = router.models.get(model_id)
+        local = None if local is lost_local else local
+        replicas = router.replicas(model_id, exclude=tried)
+        if replicas or local is not None or time.monotonic() >= deadline:
+            return replicas, local
+        await anyio.sleep(POLL_SECONDS)

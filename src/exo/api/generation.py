@@ -15,19 +15,21 @@ event loop.
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Literal
 
 import anyio
 from jinja2 import TemplateError
+from loguru import logger
 
 from exo.api.admission import Slot, admit
 from exo.api.canonical import canonical_request
 from exo.api.chat_prompt import ChatPrompt, chat_template_text, render_prompt, tool_call_format
 from exo.api.errors import APIError, internal_error, invalid
-from exo.api.metrics import GenerationObserver, observe_generation
+from exo.api.metrics import GenerationObserver, observe_generation, observe_retry
+from exo.api.reply_retry import MAX_ATTEMPTS, ReplyRetry, lost_unanswered, no_retry
 from exo.api.reply_stream import (
     KeepAlive,
     PreparedReply,
@@ -295,8 +297,9 @@ class _Run:
     slot: Slot  # held until the reply ends, however it ends
     observer: GenerationObserver | None
     thinking: ThinkingMarkers | None  # the model's markers, for a chat reply
+    retry: ReplyRetry
 
-    async def events(self) -> AsyncIterator[ReplyEvent]:
+    async def events(self) -> AsyncGenerator[ReplyEvent]:
         ended: ReplyFinishReason | Literal["error", "cancelled"] = "cancelled"
         try:
             async with aclosing(self._events()) as events:  # its runner task ends here
@@ -315,11 +318,42 @@ class _Run:
                 self.observer.ended_early(ended)
 
     async def _events(self) -> AsyncGenerator[ReplyEvent]:
+        """The reply, run again (`reply_retry`) when its runner is lost before
+        its first token."""
+        model, task = self.model, self.task
+        deadline: float | None = None
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                async with aclosing(self._attempt(model, task)) as events:
+                    async for event in events:
+                        yield event
+                return
+            except _LostUnanswered as lost:
+                deadline = deadline or self.retry.deadline()
+                back = None
+                if attempt < MAX_ATTEMPTS:
+                    back = await self.retry.runner_back(model.model_id, deadline)
+                if back is None:
+                    tried = f"tried {attempt} times" if attempt > 1 else "not retried"
+                    raise lost_unanswered(
+                        f"{lost}; the request had no token yet ({tried})"
+                    ) from lost
+                logger.warning(
+                    f"a {model.model_id} request lost its runner before its first token "
+                    f"({lost}); running it again"
+                )
+                observe_retry(model.model_id)
+                model, task = back, task.model_copy(update={"task_id": new_task_id()})
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _attempt(self, model: ServedModel, task: Generate) -> AsyncGenerator[ReplyEvent]:
+        """One run of the task on `model`'s runner; `_LostUnanswered` when the
+        runner is lost before the first token."""
         calls: list[ToolCallEnd] = []
         output: list[str] = []  # the raw text, for the reasoning's token count
         reasoned = False
         try:
-            async with self.model.runner.generate(self.task) as messages:
+            async with model.runner.generate(task) as messages:
                 while True:
                     message: TaskMessage | None = None
                     with anyio.move_on_after(self.keepalive_seconds):
@@ -339,7 +373,7 @@ class _Run:
                                 reasoned = reasoned or isinstance(event, ReasoningPiece)
                                 yield event
                             if logprobs is not None:
-                                yield _token_logprobs(self.model.tokenizer, logprobs)
+                                yield _token_logprobs(model.tokenizer, logprobs)
                         case TaskFinished():
                             for event in self.parser.finish():
                                 calls += [event] if isinstance(event, ToolCallEnd) else []
@@ -352,7 +386,7 @@ class _Run:
                                 reason = "tool_calls"
                             thought = await anyio.to_thread.run_sync(
                                 reasoning_tokens,
-                                self.model.tokenizer,
+                                model.tokenizer,
                                 self.thinking if reasoned else None,
                                 "".join(output),
                                 message.usage.completion_tokens,
@@ -367,6 +401,8 @@ class _Run:
                             return
                         case TaskFailed(error=error, memory=MemoryRefusal() as refusal):
                             raise memory_refused(error, refusal)
+                        case TaskFailed(error=error, runner_lost=True) if not output:
+                            raise _LostUnanswered(error)
                         case TaskFailed(error=error, runner_lost=True):
                             raise runner_unavailable(error)
                         case TaskFailed(error=error):
@@ -374,8 +410,12 @@ class _Run:
                         case _:
                             pass  # prefill progress
         except RunnerUnavailable as error:
-            raise runner_unavailable(str(error)) from error
+            raise _LostUnanswered(str(error)) from error
         raise generation_failed("the runner ended the task without a result")
+
+
+class _LostUnanswered(Exception):
+    """The runner was lost before the reply's first token: it may run again."""
 
 
 def _check_constraint(constraint: Constraint) -> None:
@@ -400,26 +440,32 @@ def _check_constraint(constraint: Constraint) -> None:
         raise invalid(str(error), param) from error
 
 
-async def _admitted(model: ServedModel, request: ChatRequest) -> Slot:
+async def _admitted(
+    model: ServedModel, request: ChatRequest, retry: ReplyRetry
+) -> tuple[ServedModel, Slot]:
     """A slot of `model` for `request` (429 at once when its queue is full),
     then the prompt's size checked: before any work (tokenizing, compiling a
-    grammar), which the queue's bound thus bounds."""
+    grammar), which the queue's bound thus bounds. A failed runner is waited
+    for while it restarts, within the retry's bound."""
     if model.runner.status == "failed":
-        raise runner_unavailable(f"{model.runner.error}; it is restarting")
+        back = await retry.runner_back(model.model_id, retry.deadline())
+        if back is None:
+            raise lost_unanswered(f"{model.runner.error}; it is restarting")
+        model = back
     slot = await admit(model.model_id)
     try:
         check_prompt_size(model, request)
     except APIError:
         slot.release()
         raise
-    return slot
+    return model, slot
 
 
 async def count_prompt_tokens(model: ServedModel, request: ChatRequest) -> int:
     """The length of `request`'s prompt, under a generation's limits: it holds
     a slot of the model (429/503 as a generation would get) while its size is
     checked and it is tokenized."""
-    slot = await _admitted(model, request)
+    model, slot = await _admitted(model, request, no_retry())
     try:
         return len((await render(model, request)).tokens)
     finally:
@@ -431,15 +477,18 @@ async def prepare_reply(
     request: ChatRequest,
     keepalive_seconds: float,
     new_call_id: Callable[[], str] | None = None,
+    retry: ReplyRetry | None = None,
 ) -> PreparedReply:
     """Check `request` for `model` (4xx as `APIError`) and take a slot of the
     model (429 when its queue is full, 503 when the wait is too long) before
     rendering the prompt or compiling a grammar; the reply runs when its
-    `events` are read."""
+    `events` are read (a routed stream's first token is awaited here, so its
+    answer begins with it: `reply_retry`)."""
     observer = observe_generation(model.model_id)
     fmt = tool_call_format(model.tokenizer)
     constraint = constraint_for(request, fmt)
-    slot = await _admitted(model, request)
+    retry = retry or no_retry()
+    model, slot = await _admitted(model, request, retry)
     try:
         prompt = await render(model, request)
         if not prompt.tokens:  # e.g. a text prompt of characters the tokenizer drops
@@ -465,11 +514,33 @@ async def prepare_reply(
         template, tail, fmt if _tools_offered(request) else None, new_call_id
     )
     thinking = detect_thinking_markers(template)
-    run = _Run(model, task, parser, keepalive_seconds, slot, observer, thinking)
+    run = _Run(model, task, parser, keepalive_seconds, slot, observer, thinking, retry)
+    events = run.events()
+    if retry.routed and request.stream:
+        events = await from_first_token(events)
     return PreparedReply(
         reply_id=uuid.uuid4().hex,
         model=model.model_id,
         prompt_tokens=len(prompt.tokens),
         created=int(time.time()),
-        events=run.events(),
+        events=events,
     )
+
+
+async def from_first_token(events: AsyncGenerator[ReplyEvent]) -> AsyncGenerator[ReplyEvent]:
+    """`events` once their first token came (keep-alives before it dropped):
+    a failure before it is raised here, while the answer has not begun."""
+    first = await anext(events, None)
+    while isinstance(first, KeepAlive):
+        first = await anext(events, None)
+
+    async def chained() -> AsyncGenerator[ReplyEvent]:
+        try:
+            if first is not None:
+                yield first
+                async for event in events:
+                    yield event
+        finally:
+            await events.aclose()
+
+    return chained()

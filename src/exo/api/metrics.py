@@ -228,6 +228,13 @@ class ServingMetrics:
             "Prompt tokens the chosen replica was expected to have cached",
             ["model"], registry=r,
         )  # fmt: skip
+        self.retried = Counter(
+            "exo_retried_requests",
+            "Requests run again after their runner or node was lost before their first "
+            "token, by where (here: this node's runner restarted; rerouted: another "
+            "instance or node)",
+            ["model", "where"], registry=r,
+        )  # fmt: skip
         r.register(_ScrapedState(models, cluster, admission))
 
     def observer(self, model_id: ModelId) -> GenerationObserver:
@@ -247,6 +254,13 @@ def observe_route(model_id: ModelId, reason: str, local: bool, cached_tokens: in
         target = "local" if local else "remote"
         metrics.routed.labels(model_id, reason, target).inc()
         metrics.routed_cached_tokens.labels(model_id).inc(cached_tokens)
+
+
+def observe_retry(model_id: ModelId, where: Literal["here", "rerouted"] = "here") -> None:
+    """Count a request run again before its first token (nothing outside an app)."""
+    metrics = _current.get()
+    if metrics is not None:
+        metrics.retried.labels(model_id, where).inc()
 
 
 def observe_generation(model_id: ModelId) -> GenerationObserver | None:

@@ -19,6 +19,7 @@ from exo.api.errors import APIError
 from exo.api.generation import prepare_reply
 from exo.api.instances import PlaceRequest, model_id_param, place_instance
 from exo.api.ollama_types import OllamaChatRequest, OllamaGenerateRequest, PullRequest, ShowRequest
+from exo.api.reply_retry import ReplyRetry
 from exo.api.routing import cluster_models
 from exo.api.serving import ModelRouter, Relay, ndjson_response, relay, until_disconnect
 from exo.models.file_source import FileSource
@@ -68,9 +69,9 @@ def ollama_routes(
         def chat_for(model: ServedModel) -> ChatRequest:
             return translate().model_copy(update={"model": model.model_id})
 
-        async def reply_with(model: ServedModel) -> Response:
+        async def reply_with(model: ServedModel, retry: ReplyRetry) -> Response:
             chat = chat_for(model)
-            reply = await prepare_reply(model, chat, keepalive_seconds)
+            reply = await prepare_reply(model, chat, keepalive_seconds, retry=retry)
             assembler = ollama.ReplyAssembler(reply, shape, started)
             if chat.stream:
                 return ndjson_response(ollama.reply_lines(assembler))

@@ -20,6 +20,7 @@ from exo.api.openai_types import (
     ModelList,
     ModelObject,
 )
+from exo.api.reply_retry import ReplyRetry
 from exo.api.routing import cluster_models
 from exo.api.serving import ModelRouter, sse_response, until_disconnect
 from exo.shared.types.chat import ChatRequest
@@ -54,9 +55,9 @@ def openai_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
         def chat_for(model: ServedModel) -> ChatRequest:
             return to_chat_request(body).model_copy(update={"model": model.model_id})
 
-        async def answer(model: ServedModel) -> Response | ChatCompletion:
+        async def answer(model: ServedModel, retry: ReplyRetry) -> Response | ChatCompletion:
             chat = chat_for(model)
-            reply = await prepare_reply(model, chat, keepalive_seconds)
+            reply = await prepare_reply(model, chat, keepalive_seconds, retry=retry)
             if chat.stream:
                 return sse_response(chat_completion_stream(reply, chat.include_usage))
             return await until_disconnect(request, lambda: chat_completion(reply))
@@ -68,9 +69,9 @@ def openai_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
         def chat_for(model: ServedModel) -> ChatRequest:
             return completion_to_chat_request(body).model_copy(update={"model": model.model_id})
 
-        async def answer(model: ServedModel) -> Response | Completion:
+        async def answer(model: ServedModel, retry: ReplyRetry) -> Response | Completion:
             chat = chat_for(model)
-            reply = await prepare_reply(model, chat, keepalive_seconds)
+            reply = await prepare_reply(model, chat, keepalive_seconds, retry=retry)
             if chat.stream:
                 return sse_response(text_completion_stream(reply, chat.include_usage))
             return await until_disconnect(request, lambda: text_completion(reply))

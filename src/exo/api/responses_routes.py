@@ -6,6 +6,7 @@ from starlette.responses import Response
 from exo.api import responses
 from exo.api.dispatch import dispatch
 from exo.api.generation import prepare_reply
+from exo.api.reply_retry import ReplyRetry
 from exo.api.responses_types import ResponsesRequest
 from exo.api.serving import ModelRouter, sse_response, until_disconnect
 from exo.shared.types.chat import ChatRequest
@@ -22,8 +23,8 @@ def responses_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter
         def chat_for(model: ServedModel) -> ChatRequest:
             return responses.to_chat_request(body).model_copy(update={"model": model.model_id})
 
-        async def answer(model: ServedModel) -> Response | dict[str, object]:
-            reply = await prepare_reply(model, chat_for(model), keepalive_seconds)
+        async def answer(model: ServedModel, retry: ReplyRetry) -> Response | dict[str, object]:
+            reply = await prepare_reply(model, chat_for(model), keepalive_seconds, retry=retry)
             if body.stream:
                 return sse_response(responses.response_stream(reply, body))
             return await until_disconnect(request, lambda: responses.response_object(reply, body))

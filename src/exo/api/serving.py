@@ -16,6 +16,7 @@ from starlette.background import BackgroundTask
 
 from exo.api.errors import APIError, stream_error_event
 from exo.api.model_alias import ModelAlias, resolve_model
+from exo.api.reply_retry import DEFAULT_RETRY_SECONDS, UNANSWERED_HEADER, ReplyRetry
 from exo.api.routing import (
     Replica,
     Route,
@@ -79,6 +80,8 @@ class ModelRouter:
     local_load: Callable[[ModelId], int] = field(default=lambda model_id: 0, kw_only=True)
     # Requests a replica works on at once (--max-concurrent, alike across a cluster).
     slots: int = field(default=8, kw_only=True)
+    # How long a request lost before its first token is retried (--retry-seconds).
+    retry_seconds: float = field(default=DEFAULT_RETRY_SECONDS, kw_only=True)
     _turn: int = field(default=0, init=False)
     # Replicas whose node failed a relay, left out until then (monotonic seconds).
     _failed_until: dict[InstanceId, float] = field(default_factory=dict, init=False)
@@ -90,17 +93,16 @@ class ModelRouter:
         return resolve_model(name, self.aliases, self.served_names())
 
     def replicas(self, model_id: ModelId, exclude: Collection[InstanceId] = ()) -> list[Replica]:
-        """The model's replicas that serve, less `exclude` and those that failed lately."""
+        """The model's replicas that serve, less `exclude`, and less those that
+        failed lately while others remain (a relay's failure is a hint: after a
+        healed partition the only replica must be tried again, not refused)."""
         now = time.monotonic()
         self._failed_until = {i: t for i, t in self._failed_until.items() if t > now}
         local = self.local_load(model_id) if model_id in self.models else None
-        return serving_replicas(
-            self.cluster.state,
-            model_id,
-            self.cluster.node_id,
-            local,
-            {*exclude, *self._failed_until},
+        serving = serving_replicas(
+            self.cluster.state, model_id, self.cluster.node_id, local, set(exclude)
         )
+        return [r for r in serving if r.instance_id not in self._failed_until] or serving
 
     def choose(self, replicas: Sequence[Replica], prompt_digests: Sequence[int] | None) -> Route:
         self._turn += 1
@@ -110,6 +112,15 @@ class ModelRouter:
         assert replica.api_address is not None
         return Relay(
             replica.api_address, model_id, self.relay_read_timeout_seconds, replica.instance_id
+        )
+
+    def reply_retry(self, routed: bool) -> ReplyRetry:
+        """How a request is retried when lost before its first token (`reply_retry`)."""
+        return ReplyRetry(
+            self.retry_seconds,
+            self.models.get,
+            lambda model_id: any(not r.local for r in self.replicas(model_id)),
+            routed=routed,
         )
 
     def failed(self, instance_id: InstanceId) -> None:
@@ -327,6 +338,15 @@ async def relay(target: Relay, request: Request) -> StreamingResponse:
         if upstream.status_code == 401:
             await upstream.aclose()
             raise _relay_refused_key(target, request)
+        if upstream.status_code == 503 and UNANSWERED_HEADER in upstream.headers:
+            await upstream.aclose()
+            raise APIError(
+                503,
+                f"the node at {target.api_address} that serves {target.model_id} lost its "
+                "runner before the answer began",
+                "server_error",
+                "relay_unanswered",
+            )
     except BaseException:
         await client.aclose()
         raise

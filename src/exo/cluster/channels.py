@@ -25,6 +25,8 @@ class Channels:
         self._secret = secret
         self._identity = identity
         self._sessions: dict[str, PeerSession] = {}
+        # Sessions forgotten but not closed yet, by address (see `_forget`).
+        self._retired: dict[str, PeerSession] = {}
         self._locks: dict[str, anyio.Lock] = {}
 
     async def session(self, address: str) -> PeerSession:
@@ -57,15 +59,34 @@ class Channels:
             return True
         return False
 
+    async def forget(self, address: str) -> None:
+        """End the session with `address`: the next call opens a new connection.
+        For a peer gone silent: its old connection may be alive to gRPC but
+        dead on the wire (a partition), and TCP, backing off its retransmits,
+        would notice the network is back only many seconds after it is."""
+        await self._forget(address)
+
     async def _forget(self, address: str) -> None:
+        """New calls to `address` get a new session. The old one is retired, not
+        closed: a call under way on it (a log stream just opened) may never
+        return from a channel closed under it (seen with grpc.aio), so it is
+        closed when the next one is retired, long after, or at shutdown."""
         session = self._sessions.pop(address, None)
-        if session is not None:
+        if session is None:
+            return
+        older = self._retired.pop(address, None)
+        self._retired[address] = session
+        if older is not None:
             with anyio.CancelScope(shield=True):
-                await session.close()
+                await older.close()
 
     async def close(self) -> None:
-        for address in list(self._sessions):
-            await self._forget(address)
+        sessions = [*self._sessions.values(), *self._retired.values()]
+        self._sessions.clear()
+        self._retired.clear()
+        with anyio.CancelScope(shield=True):
+            for session in sessions:
+                await session.close()
 
 
 __all__ = ["CALL_ERRORS", "RPC_TIMEOUT_SECONDS", "Channels", "LinkError"]

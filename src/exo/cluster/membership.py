@@ -10,7 +10,8 @@ out of office.
 """
 
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -33,6 +34,31 @@ class _HelloFields(TypedDict):
     last_applied_idx: int
     master_id: str
     term: int
+
+
+def master_to_keep(
+    current: NodeId | None,
+    claims: Mapping[NodeId, int],
+    following: Mapping[NodeId, int],
+    candidates: list[Candidate],
+) -> NodeId | None:
+    """The master to keep, from the nodes that claim to be master (`claims`:
+    each one's term). None claiming: `current`, this node's. One: that one,
+    even if this node followed another (a healed partition's losing master,
+    which now follows the winner). Several (two clusters that met, a partition
+    that healed): the one more nodes follow (`following`, itself included), so
+    that the bigger side keeps its history and the fewest nodes set theirs
+    aside (a lone node cut off elects itself in a newer term: the term alone
+    would make the cluster take its history over everyone else's); then the
+    newer term; then the election order."""
+    if not claims:
+        return current
+    if len(claims) == 1:
+        return next(iter(claims))
+    ranks = {c.node_id: c for c in candidates}
+    weight = {n: (following.get(n, 0), term) for n, term in claims.items() if n in ranks}
+    top = max(weight.values(), default=None)
+    return elect(ranks[n] for n, w in weight.items() if w == top)
 
 
 @dataclass
@@ -129,7 +155,8 @@ class Membership:
             async with anyio.create_task_group() as group:
                 for address in list(self._addresses):
                     group.start_soon(self._hello, address)
-            self._drop_silent_peers()
+            for address in self._drop_silent_peers():
+                await self._channels.forget(address)  # reconnect afresh once it answers
             await self._elect()
             await anyio.sleep(self._timing.heartbeat_seconds)
 
@@ -187,13 +214,17 @@ class Membership:
                 if peer.node_id != self.node_id:
                     self._addresses.add(peer.address)
 
-    def _drop_silent_peers(self) -> None:
+    def _drop_silent_peers(self) -> list[str]:
+        """Drop the peers silent for a peer timeout; returns their addresses."""
         deadline = time.monotonic() - self._timing.peer_timeout_seconds
+        dropped: list[str] = []
         for node_id, peer in list(self._peers.items()):
             if peer.heard_at < deadline:
                 logger.warning(f"node {node_id} at {peer.address} stopped answering")
                 del self._peers[node_id]
+                dropped.append(peer.address)
                 self._on_peer_lost()
+        return dropped
 
     def _drop(self, address: str, why: str) -> None:
         for node_id, peer in list(self._peers.items()):
@@ -225,17 +256,16 @@ class Membership:
         return not self._discovering and self._addresses <= heard
 
     def _incumbent(self) -> NodeId | None:
-        """The master to keep. When two nodes claim to be master (two clusters that
-        met, a partition that healed), the claim with the higher term wins, then
-        the election order; the other side follows and takes that history."""
+        """The master to keep (`master_to_keep`); when two nodes claim to be
+        master, the other side follows the one kept and takes its history
+        (setting its own aside)."""
         claims = {p.node_id: p.term for p in self._peers.values() if p.master_id == p.node_id}
         if self.master_id == self.node_id:
             claims[self.node_id] = self._store.state.master_term
-        if len(claims) <= 1:
-            return self.master_id
-        ranks = {c.node_id: c for c in self._candidates()}
-        top = max(claims.values())
-        return elect(ranks[n] for n, term in claims.items() if term == top and n in ranks)
+        following = Counter(p.master_id for p in self._peers.values() if p.master_id)
+        if self.master_id is not None:
+            following[self.master_id] += 1
+        return master_to_keep(self.master_id, claims, following, self._candidates())
 
     def _candidates(self) -> list[Candidate]:
         return [Candidate(self.node_id, self.started_at_ms, self.force_master)] + [

@@ -2,8 +2,10 @@
 own events on their way to the master.
 
 - Follow: a follower streams the master's log (`SubscribeEvents`) into its
-  store. The stream starts one event back, at the last one this node holds: if
-  the master's differs, this node's history diverged and is set aside.
+  store. The stream starts one event back, at the last one this node holds
+  (or at the master's last, when this node holds more): if the master's
+  differs, this node's history diverged and is set aside, and the node
+  publishes what it set aside (`HistoryDiverged`) for every node to see.
 - Catch up: before taking office, a new master pulls from the most advanced
   peer, so it continues the same index sequence.
 - Outbox: events that happened here go to the master (`PublishEvents`),
@@ -34,7 +36,13 @@ from exo.master.master import Master
 from exo.shared.event_log import LogCompacted
 from exo.shared.event_store import EventGap, EventLogUnavailable, EventStore, with_ids
 from exo.shared.state_snapshot import decode_state, encode_state
-from exo.shared.types.events import Event, IndexedEvent, event_adapter, indexed_event_adapter
+from exo.shared.types.events import (
+    Event,
+    HistoryDiverged,
+    IndexedEvent,
+    event_adapter,
+    indexed_event_adapter,
+)
 from exo.shared.types.state import State
 
 # How long a silent subscription waits before it reconnects (it also re-checks the master).
@@ -46,13 +54,18 @@ INGEST_BATCH = 256
 MAX_LEAD_EVENTS = 1000
 
 
+def first_difference(store: EventStore, batch: list[IndexedEvent]) -> int | None:
+    """The index of the first event of `batch` that this node holds otherwise."""
+    return next((event.idx for event in batch if store.differs(event)), None)
+
+
 def ingest(store: EventStore, batch: list[IndexedEvent]) -> bool:
     """Append the new events of `batch`; False if this node's history diverged
     (it is then set aside, and the caller reads the master's from the start)."""
-    for event in batch:
-        if store.differs(event):
-            store.reset()
-            return False
+    diverged = first_difference(store, batch)
+    if diverged is not None:
+        store.reset(diverged_at=diverged)
+        return False
     store.ingest(batch)
     return True
 
@@ -118,17 +131,42 @@ class Replication:
             with anyio.move_on_after(self._timing.peer_timeout_seconds):
                 await self._pull(ahead.address, until=ahead.last_applied_idx)
 
-    async def _pull(self, address: str, until: int | None = None) -> None:
+    async def _pull(self, address: str, until: int | None = None, held: int | None = None) -> None:
         """Ingest indexed events from `address` (to `until`, or while they come).
-        Events that arrived together are appended as one batch (one fsync)."""
-        overlap = max(0, self._store.next_idx - 1)
+        `held`: the last index the peer holds, as it last said.
+
+        The stream starts one event back, or at `held` when this node holds
+        more, so that a history that diverged (this node was master of its own
+        side of a partition) is found at once, not once the peer's log has
+        grown as long. Where even the first event compared differs, the
+        histories parted earlier: the stream starts again further back, until
+        the point where they parted is found, so that what is set aside from
+        there is told exactly."""
+        start = self._store.next_idx - 1
+        if held is not None:
+            start = min(start, held)
+        start, back = max(0, start), 1
+        while (diverged := await self._stream(address, start, until)) is not None:
+            if diverged > start or start <= self._store.base_idx:
+                self._store.reset(diverged_at=diverged)
+                self._report_set_aside()
+                return
+            start, back = max(self._store.base_idx, start - back), back * 2
+
+    async def _stream(self, address: str, from_idx: int, until: int | None) -> int | None:
+        """Ingest the events `address` serves from `from_idx` (to `until`, or
+        while they come); events that arrived together are appended as one
+        batch (one fsync). Stops at the first event this node holds otherwise
+        and returns its index (nothing of that batch appended); None when the
+        stream ended (idle, an error, `until` reached)."""
         try:
             stub = await self._channels.stub(address)
         except LinkError as error:
             logger.debug(f"no event stream from {address}: {error}")
-            return
-        stream = stub.SubscribeEvents(pb.SubscribeRequest(from_idx=overlap))
+            return None
+        stream = stub.SubscribeEvents(pb.SubscribeRequest(from_idx=from_idx))
         send, receive = anyio.create_memory_object_stream[IndexedEvent](INGEST_BATCH)
+        diverged: int | None = None
 
         async def read() -> None:
             envelopes = aiter(stream)
@@ -153,9 +191,12 @@ class Replication:
                             batch.append(receive.receive_nowait())
                         except (anyio.WouldBlock, anyio.EndOfStream):
                             break
-                    if not ingest(self._store, batch) or (
-                        until is not None and self._store.next_idx > until
-                    ):
+                    diverged = first_difference(self._store, batch)
+                    if diverged is not None:
+                        group.cancel_scope.cancel()
+                        break
+                    self._store.ingest(batch)
+                    if until is not None and self._store.next_idx > until:
                         group.cancel_scope.cancel()
         except* (
             *CALL_ERRORS,
@@ -169,6 +210,7 @@ class Replication:
             logger.debug(f"event stream from {address} ended: {errors.exceptions[0]!r}")
         finally:
             stream.cancel()
+        return diverged
 
     async def _follow_loop(self) -> None:
         while True:
@@ -178,7 +220,9 @@ class Replication:
                 await _wait(changed, self._timing.heartbeat_seconds)
                 continue
             if self._store.next_idx - 1 > master.last_applied_idx + MAX_LEAD_EVENTS:
-                self._store.reset()  # we hold events the master never had: a fork
+                # We hold events the master never had: a fork.
+                self._store.reset(diverged_at=master.last_applied_idx + 1)
+                self._report_set_aside()
             # Follow until the stream ends (idle, error) or the master changes.
             async with anyio.create_task_group() as group:
 
@@ -189,9 +233,15 @@ class Replication:
                     scope.cancel()
 
                 group.start_soon(stop_on_change)
-                await self._pull(master.address)
+                await self._pull(master.address, held=master.last_applied_idx)
                 await _wait(changed, self._timing.heartbeat_seconds / 2)
                 group.cancel_scope.cancel()
+
+    def _report_set_aside(self) -> None:
+        """Tell the cluster what this node's store just set aside: in the
+        master's history, for `/state` and the dashboard to show."""
+        if self._store.set_aside is not None:
+            self.publish(HistoryDiverged(node_id=self.node_id, set_aside=self._store.set_aside))
 
     async def _outbox_loop(self) -> None:
         while True:

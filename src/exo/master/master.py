@@ -27,6 +27,7 @@ from exo.shared.types.events import (
     DownloadProgressed,
     DownloadRemoved,
     Event,
+    HistoryDiverged,
     InstanceCreated,
     InstanceDeleted,
     MasterElected,
@@ -85,6 +86,7 @@ def may_originate(state: State, origin: NodeId, event: Event) -> bool:
             | DownloadProgressed()
             | DownloadRemoved()
             | ModelFoldersUnreadable()
+            | HistoryDiverged()
         ):
             return event.node_id == origin
         case ModelCardPublished():

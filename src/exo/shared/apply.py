@@ -8,6 +8,7 @@ replaying any prefix of the log is always well defined.
 from exo.shared.types.events import (
     DownloadProgressed,
     DownloadRemoved,
+    HistoryDiverged,
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
@@ -179,6 +180,9 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
             return state.model_copy(
                 update={"replicas": {**state.replicas, event.instance_id: report}}
             )
+        case HistoryDiverged():
+            set_aside = {**state.set_aside, event.node_id: event.set_aside}
+            return state.model_copy(update={"set_aside": set_aside})
 
 
 def apply(state: State, indexed: IndexedEvent) -> State:

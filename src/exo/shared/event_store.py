@@ -41,7 +41,7 @@ from exo.shared.state_snapshot import read_snapshot, snapshot_path, write_snapsh
 from exo.shared.types.commands import ClusterUnavailable
 from exo.shared.types.events import Event, IndexedEvent, indexed_event_adapter
 from exo.shared.types.ids import NodeId
-from exo.shared.types.state import State
+from exo.shared.types.state import HistorySetAside, State
 
 # Event ids remembered for deduplicating retried batches.
 DEDUP_WINDOW = 65_536
@@ -97,6 +97,12 @@ class EventStore:
         self._synced = anyio.Event()  # set (and replaced) on every successful fsync
         self._flush_lock = anyio.Lock()
         self._fault: str | None = None
+        self._set_aside: HistorySetAside | None = None
+
+    @property
+    def set_aside(self) -> HistorySetAside | None:
+        """What this node last set aside (`reset`) since it started; None: nothing."""
+        return self._set_aside
 
     @property
     def state(self) -> State:
@@ -110,6 +116,11 @@ class EventStore:
     def fault(self) -> str | None:
         """Why the log cannot be written now (e.g. a full disk), None when it can."""
         return self._fault
+
+    @property
+    def base_idx(self) -> int:
+        """The oldest index the log holds (those before are in the snapshot)."""
+        return self._log.base_idx
 
     @property
     def snapshot_idx(self) -> int:
@@ -209,12 +220,14 @@ class EventStore:
             return indexed_event_adapter.validate_json(payload)
         return None
 
-    def reset(self) -> None:
+    def reset(self, diverged_at: int = 0) -> HistorySetAside:
         """Set this node's history aside and start empty: it diverged from the
-        master's (e.g. this node indexed events as master that never reached the
-        others), and the master's history is the one the cluster keeps."""
-        path = self._log.path
-        aside = path.with_name(f"{path.name}.diverged-{now_ms()}")
+        master's at index `diverged_at` (e.g. this node indexed events as master
+        that never reached the others), and the master's history is the one the
+        cluster keeps. Returns what was set aside (also `set_aside`)."""
+        path, held = self._log.path, self._log.next_idx
+        at = now_ms()
+        aside = path.with_name(f"{path.name}.diverged-{at}")
         try:
             # The new, empty log is made first: on a full disk nothing changes.
             fresh = EventLog.create_empty(path.with_name(f"{path.name}.new"), 0)
@@ -230,10 +243,25 @@ class EventStore:
         fresh.close()
         path.with_name(f"{path.name}.new").rename(path)
         fsync_dir(path.parent)
-        logger.warning(f"event history diverged from the master's; kept it as {aside.name}")
+        # The whole log is kept aside, but only its events from `diverged_at` on
+        # are lost to the cluster: those are the ones worth telling.
+        diverged_at = max(0, min(diverged_at, held))
+        set_aside = HistorySetAside(
+            at_ms=at,
+            from_idx=diverged_at,
+            events=held - diverged_at,
+            kept_as=aside.name,
+        )
+        logger.warning(
+            f"event history diverged from the master's at index {diverged_at}: "
+            f"{set_aside.events} event(s) this node held are not the cluster's; "
+            f"kept them as {aside.name} and took the master's history"
+        )
+        self._set_aside = set_aside
         self._snapshot = None
         self._log = EventLog.open(path)
         self._replaced(State())
+        return set_aside
 
     def install(self, snapshot: State) -> None:
         """Take a peer's snapshot as this node's history up to its index (the

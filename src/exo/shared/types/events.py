@@ -9,7 +9,12 @@ from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.model_card import ModelCard
 from exo.shared.types.runner import RunnerStatus
-from exo.shared.types.state import Instance, NodeTelemetry, UnreadableModelFolder
+from exo.shared.types.state import (
+    HistorySetAside,
+    Instance,
+    NodeTelemetry,
+    UnreadableModelFolder,
+)
 
 
 class NodeJoined(FrozenModel):
@@ -124,6 +129,15 @@ class ReplicaReported(FrozenModel):
     cached_removed: tuple[int, ...] = ()
 
 
+class HistoryDiverged(FrozenModel):
+    """A node found its history diverged from the master's and set its own
+    aside (`EventStore.reset`), to take the master's."""
+
+    kind: Literal["history_diverged"] = "history_diverged"
+    node_id: NodeId
+    set_aside: HistorySetAside
+
+
 Event = Annotated[
     NodeJoined
     | NodeTelemetryReported
@@ -139,7 +153,8 @@ Event = Annotated[
     | DownloadProgressed
     | DownloadRemoved
     | ModelFoldersUnreadable
-    | ReplicaReported,
+    | ReplicaReported
+    | HistoryDiverged,
     Field(discriminator="kind"),
 ]
 

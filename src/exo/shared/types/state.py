@@ -120,6 +120,18 @@ class ReplicaReport(FrozenModel):
     load: int = 0  # requests running or waiting on it
 
 
+class HistorySetAside(FrozenModel):
+    """Events a node held that the cluster's history does not: its history
+    diverged (it was master of its own side of a partition, say) and the
+    master's is the one the cluster keeps. They are kept in the node's data
+    dir, not applied; this says when, from where and how many."""
+
+    at_ms: int
+    from_idx: int  # the first index at which the node's history differed
+    events: int  # how many events it set aside
+    kept_as: str  # the file in the node's data dir that holds them
+
+
 InstanceStatus = Literal["downloading", "starting", "loading", "ready", "running", "failed"]
 
 
@@ -141,6 +153,9 @@ class State(FrozenModel):
     master_term: int = 0
     # What each instance's first rank reports for routing, by instance.
     replicas: dict[InstanceId, ReplicaReport] = Field(default_factory=dict)
+    # The latest history each node set aside (`HistoryDiverged`): after a
+    # partition, what the side that lost had done is not silently gone.
+    set_aside: dict[NodeId, HistorySetAside] = Field(default_factory=dict)
     # Index of the last applied event; -1 before the first.
     last_idx: int = -1
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from loguru import logger
 
 from exo.shared.package_files import find_package_file
+from exo.worker.runner.bytecode import with_bytecode_cache
 
 
 def openblas_library() -> Path | None:
@@ -64,8 +65,9 @@ def _gfortran_shim_dir(cache_dir: Path) -> Path | None:
 
 
 def runner_environment(cache_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for a runner child process (OpenBLAS preloaded where found)."""
-    env = dict(os.environ if base is None else base)
+    """The environment for a runner child process (OpenBLAS preloaded where found,
+    its bytecode kept: `bytecode.py`)."""
+    env = with_bytecode_cache(os.environ if base is None else base)
     # OpenBLAS threads spin ~0.1 s after each call by default: a pipeline rank
     # waiting on its neighbour would keep the cores the neighbour computes on
     # busy (2-rank decode at 0.5x of 1 rank). This lets them sleep sooner.

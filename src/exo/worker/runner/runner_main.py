@@ -27,6 +27,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import IO, NoReturn
@@ -118,8 +119,11 @@ def _serve(
     """Load the whole model, one rank's layers or one rank's slice of every
     layer, and serve until stopped; without `speculation`, drafting no tokens."""
     # Imported here so that a broken MLX install is reported as a failed runner.
+    started = time.monotonic()
     from exo.worker.runner.serving import Runner
 
+    # Most of a runner's start before it loads (MLX, mlx_lm, transformers).
+    logger.info(f"imported MLX and mlx_lm in {time.monotonic() - started:.1f}s")
     runner = Runner(out, inbox, speculation=speculation)
     if layers is None:
         from exo.worker.runner.memory_admission import memory_settings

@@ -3,6 +3,7 @@ together (`engine/mlx/batch.py`), or one at a time where the model's caches have
 no batched form. Its prefix cache writes an entry to disk whenever requests
 pause, and the rest on a clean stop."""
 
+import time
 from pathlib import Path
 
 from loguru import logger
@@ -29,7 +30,9 @@ def serve_whole_model(
 ) -> None:
     """Load the model, then serve tasks until the node asks to stop; with
     `memory`, a task starts only when its KV fits (`memory_admission.py`)."""
+    started = time.monotonic()
     model, tokenizer = load_for_inference(model_dir)
+    loaded = time.monotonic()
     cache = (
         KVPrefixCache(
             prefix_cache_bytes,
@@ -43,6 +46,10 @@ def serve_whole_model(
     local = LocalModel(model, tokenizer)
     caches = local.make_cache()
     warm_up(local, caches)  # first-use compiles before "ready", not in the first request
+    logger.info(
+        f"loaded the model in {loaded - started:.1f}s, warmed it up in "
+        f"{time.monotonic() - loaded:.1f}s"
+    )
     batch = _batch(runner, TextGenerator(local, tokenizer, cache), caches)
     if memory is not None:
         runner.memory = memory_gate(model, model_dir, memory)
