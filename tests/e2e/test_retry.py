@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from typing import Any
 
 import anthropic
 import openai
@@ -30,6 +31,8 @@ BATCH = 8
 QUEUED = 6
 # The runner restarts after a 1 s back-off and loads the model again.
 ANSWERED_WITHIN_SECONDS = 60.0
+# Long enough that the runner is killed mid-generation.
+LONG_REPLY_TOKENS = 200
 
 
 def openai_client(base_url: str) -> openai.OpenAI:
@@ -145,3 +148,40 @@ def test_requests_lost_with_their_runner_before_a_token_are_answered_and_the_que
 def in_node(node: NodeProcess) -> float:
     running = metric(node, "exo_requests_in_flight", model=DEFAULT_MODEL_ID)
     return running + metric(node, "exo_queue_depth", model=DEFAULT_MODEL_ID)
+
+
+def test_a_reply_sent_whole_runs_again_when_its_runner_dies_mid_generation(
+    node: NodeProcess,
+) -> None:
+    """Nothing of a non-streamed reply reaches its client before it finished:
+    a runner lost mid-generation runs it again from the start, once."""
+    retried_before = metric(
+        node, "exo_retried_requests_total", model=DEFAULT_MODEL_ID, where="here"
+    )
+    replies: list[Any] = []
+    asking = threading.Thread(
+        target=lambda: replies.append(
+            openai_client(node.base_url).chat.completions.create(
+                model=DEFAULT_MODEL_ID,
+                messages=[{"role": "user", "content": "Tell a long story."}],
+                max_tokens=LONG_REPLY_TOKENS,
+                temperature=0,
+                logit_bias={"2": -100},  # no end of text: it runs its course
+            )
+        ),
+        daemon=True,
+    )
+    asking.start()
+    wait_until(lambda: node.runner_status() == "running", 20, "the reply under way")
+    time.sleep(0.5)  # tokens generated, none sent
+    [runner] = runner_pids(node)
+    os.kill(runner, signal.SIGKILL)
+    asking.join(ANSWERED_WITHIN_SECONDS)
+
+    [reply] = replies
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == LONG_REPLY_TOKENS  # one run's, not two
+    assert reply.choices[0].message.content
+    retried = metric(node, "exo_retried_requests_total", model=DEFAULT_MODEL_ID, where="here")
+    assert retried - retried_before == 1
+    node.wait_for_runner("ready", timeout=30)

@@ -46,10 +46,14 @@ def agreed(nodes: list[NodeProcess]) -> str | None:
     return None
 
 
-def events(node: NodeProcess) -> list[dict[str, Any]]:
+def events(node: NodeProcess, from_idx: int = 0) -> list[dict[str, Any]]:
+    """The node's events from `from_idx` to its last applied one."""
     last = node.get("/state")["last_idx"]
     found: list[dict[str, Any]] = []
-    with httpx.stream("GET", f"{node.base_url}/events", params={"from_idx": 0}, timeout=10) as r:
+    if from_idx > last:
+        return found
+    params = {"from_idx": from_idx}
+    with httpx.stream("GET", f"{node.base_url}/events", params=params, timeout=20) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 found.append(json.loads(line[6:]))

@@ -43,10 +43,11 @@ def test_the_most_advanced_instance_names_a_model_s_status(
         # Serving on this node, whose API does not serve it yet: a moment away.
         ("ready", A, "starting"),
         ("running", A, "starting"),
-        # Serving elsewhere but not reachable from here, or failed: nothing to wait for.
+        # Failed: its runner restarts, or the master places it again.
+        ("failed", A, "restarting"),
+        ("stopped", B, "restarting"),
+        # Serving elsewhere but not reachable from here: nothing to wait for.
         ("ready", B, None),
-        ("failed", A, None),
-        ("stopped", B, None),
     ],
 )
 def test_a_request_is_worth_retrying_only_for_an_instance_on_its_way(

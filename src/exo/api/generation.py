@@ -292,12 +292,15 @@ def reasoning_tokens(
 class _Run:
     model: ServedModel
     task: Generate
-    parser: ReplyParser
+    new_parser: Callable[[], ReplyParser]  # one per attempt: it keeps the text it read
     keepalive_seconds: float
     slot: Slot  # held until the reply ends, however it ends
     observer: GenerationObserver | None
     thinking: ThinkingMarkers | None  # the model's markers, for a chat reply
     retry: ReplyRetry
+    # Streamed: each event goes to the client as it comes; else the reply is
+    # sent whole, and its events are held until it finished.
+    streamed: bool
 
     async def events(self) -> AsyncGenerator[ReplyEvent]:
         ended: ReplyFinishReason | Literal["error", "cancelled"] = "cancelled"
@@ -319,16 +322,29 @@ class _Run:
 
     async def _events(self) -> AsyncGenerator[ReplyEvent]:
         """The reply, run again (`reply_retry`) when its runner is lost before
-        its first token."""
+        any of it reached the client: before its first event for a stream,
+        before it finished for a reply sent whole."""
         model, task = self.model, self.task
         deadline: float | None = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
+            delivered = False
+            held: list[ReplyEvent] = []
             try:
-                async with aclosing(self._attempt(model, task)) as events:
+                async with aclosing(self._attempt(model, task, self.new_parser())) as events:
                     async for event in events:
-                        yield event
+                        if isinstance(event, KeepAlive):
+                            yield event
+                        elif self.streamed:
+                            delivered = True
+                            yield event
+                        else:
+                            held.append(event)
+                for event in held:
+                    yield event
                 return
-            except _LostUnanswered as lost:
+            except _RunnerLost as lost:
+                if delivered:
+                    raise runner_unavailable(str(lost)) from lost
                 deadline = deadline or self.retry.deadline()
                 back = None
                 if attempt < MAX_ATTEMPTS:
@@ -336,19 +352,21 @@ class _Run:
                 if back is None:
                     tried = f"tried {attempt} times" if attempt > 1 else "not retried"
                     raise lost_unanswered(
-                        f"{lost}; the request had no token yet ({tried})"
+                        f"{lost}; nothing of the reply had been sent ({tried})"
                     ) from lost
                 logger.warning(
-                    f"a {model.model_id} request lost its runner before its first token "
-                    f"({lost}); running it again"
+                    f"a {model.model_id} request lost its runner before any of its reply "
+                    f"was sent ({lost}); running it again"
                 )
                 observe_retry(model.model_id)
                 model, task = back, task.model_copy(update={"task_id": new_task_id()})
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    async def _attempt(self, model: ServedModel, task: Generate) -> AsyncGenerator[ReplyEvent]:
-        """One run of the task on `model`'s runner; `_LostUnanswered` when the
-        runner is lost before the first token."""
+    async def _attempt(
+        self, model: ServedModel, task: Generate, parser: ReplyParser
+    ) -> AsyncGenerator[ReplyEvent]:
+        """One run of the task on `model`'s runner; `_RunnerLost` when the
+        runner is lost."""
         calls: list[ToolCallEnd] = []
         output: list[str] = []  # the raw text, for the reasoning's token count
         reasoned = False
@@ -368,14 +386,14 @@ class _Run:
                             if self.observer is not None:
                                 self.observer.chunk()
                             output.append(text)
-                            for event in self.parser.feed(text):
+                            for event in parser.feed(text):
                                 calls += [event] if isinstance(event, ToolCallEnd) else []
                                 reasoned = reasoned or isinstance(event, ReasoningPiece)
                                 yield event
                             if logprobs is not None:
                                 yield _token_logprobs(model.tokenizer, logprobs)
                         case TaskFinished():
-                            for event in self.parser.finish():
+                            for event in parser.finish():
                                 calls += [event] if isinstance(event, ToolCallEnd) else []
                                 reasoned = reasoned or isinstance(event, ReasoningPiece)
                                 yield event
@@ -401,21 +419,19 @@ class _Run:
                             return
                         case TaskFailed(error=error, memory=MemoryRefusal() as refusal):
                             raise memory_refused(error, refusal)
-                        case TaskFailed(error=error, runner_lost=True) if not output:
-                            raise _LostUnanswered(error)
                         case TaskFailed(error=error, runner_lost=True):
-                            raise runner_unavailable(error)
+                            raise _RunnerLost(error)
                         case TaskFailed(error=error):
                             raise generation_failed(error)
                         case _:
                             pass  # prefill progress
         except RunnerUnavailable as error:
-            raise _LostUnanswered(str(error)) from error
+            raise _RunnerLost(str(error)) from error
         raise generation_failed("the runner ended the task without a result")
 
 
-class _LostUnanswered(Exception):
-    """The runner was lost before the reply's first token: it may run again."""
+class _RunnerLost(Exception):
+    """The runner was lost during an attempt: the reply may run again."""
 
 
 def _check_constraint(constraint: Constraint) -> None:
@@ -510,11 +526,23 @@ async def prepare_reply(
     )
     tail = model.tokenizer.decode(prompt.tokens[-16:]) if request.prompt is None else ""
     template = chat_template_text(model.tokenizer) if request.prompt is None else None
-    parser = ReplyParser.for_prompt(
-        template, tail, fmt if _tools_offered(request) else None, new_call_id
-    )
+    tools_format = fmt if _tools_offered(request) else None
+
+    def new_parser() -> ReplyParser:
+        return ReplyParser.for_prompt(template, tail, tools_format, new_call_id)
+
     thinking = detect_thinking_markers(template)
-    run = _Run(model, task, parser, keepalive_seconds, slot, observer, thinking, retry)
+    run = _Run(
+        model,
+        task,
+        new_parser,
+        keepalive_seconds,
+        slot,
+        observer,
+        thinking,
+        retry,
+        streamed=request.stream,
+    )
     events = run.events()
     if retry.routed and request.stream:
         events = await from_first_token(events)

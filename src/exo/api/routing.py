@@ -147,7 +147,9 @@ def cluster_models(state: State) -> dict[ModelId, str]:
 def coming_status(state: State, model_id: ModelId, self_id: NodeId) -> str | None:
     """How far an instance of `model_id` that is about to serve has got: still
     downloading, starting or loading, or ready with its first rank on this node a
-    moment before this node's API serves it ("starting"); None when none is."""
+    moment before this node's API serves it ("starting"), or failed: its runner
+    restarts or the master places it again ("restarting"); None when none is."""
+    coming: str | None = None
     for _, instance in sorted(state.instances.items()):
         if instance.model_id != model_id:
             continue
@@ -156,4 +158,6 @@ def coming_status(state: State, model_id: ModelId, self_id: NodeId) -> str | Non
             return status
         if status in SERVING and instance.ranks[0].node_id == self_id:
             return "starting"
-    return None
+        if status == "failed":
+            coming = "restarting"
+    return coming
