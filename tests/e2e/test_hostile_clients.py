@@ -166,7 +166,9 @@ def test_a_4_mb_prompt_against_a_full_queue_is_refused_at_once(node: NodeProcess
                 refused = client.post(f"{node.base_url}{path}", content=body, headers=headers)
                 elapsed = time.monotonic() - started
                 assert refused.status_code == 429, refused.text
-                assert elapsed < 0.1, f"{path}: {elapsed:.3f}s"
+                # Parsing the 4 MB body takes 0.03-0.09 s here; tokenizing it
+                # (what a refusal must not wait for) takes seconds.
+                assert elapsed < 0.5, f"{path}: {elapsed:.3f}s"
         # With the slot free it is admitted, and its size alone shows it is
         # longer than the context: refused before it is tokenized.
         wait_until(
