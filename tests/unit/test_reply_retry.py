@@ -50,7 +50,7 @@ async def test_a_restarting_runner_is_waited_for_until_it_serves() -> None:
     started = time.monotonic()
     async with anyio.create_task_group() as group:
         group.start_soon(comes_back)
-        assert await waiting.runner_back(MODEL, waiting.deadline()) is model
+        assert await waiting.runner_back(MODEL) is model
     assert 0.5 <= time.monotonic() - started < 1.5
 
 
@@ -65,7 +65,7 @@ async def test_a_model_placed_here_again_is_taken() -> None:
     back: ServedModel | None = None
     async with anyio.create_task_group() as group:
         group.start_soon(placed_again)
-        back = await waiting.runner_back(MODEL, waiting.deadline())
+        back = await waiting.runner_back(MODEL)
     assert back is models[MODEL]
 
 
@@ -78,7 +78,7 @@ async def test_a_request_that_can_go_elsewhere_does_not_wait(routed: bool, elsew
     models = {MODEL: served(Runner("stopped", restart=False))}
     waiting = retry(models, elsewhere=elsewhere, routed=routed)
     started = time.monotonic()
-    assert await waiting.runner_back(MODEL, waiting.deadline()) is None
+    assert await waiting.runner_back(MODEL) is None
     assert time.monotonic() - started < 0.1
 
 
@@ -88,7 +88,7 @@ async def test_nothing_to_wait_for_ends_at_the_deadline_counted_from_the_first_l
     await anyio.sleep(0.2)
     assert waiting.deadline() == deadline  # one window per request
     started = time.monotonic()
-    assert await waiting.runner_back(MODEL, waiting.deadline()) is None
+    assert await waiting.runner_back(MODEL) is None
     assert 0.2 <= time.monotonic() - started < 0.6
 
 

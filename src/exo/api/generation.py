@@ -325,7 +325,6 @@ class _Run:
         any of it reached the client: before its first event for a stream,
         before it finished for a reply sent whole."""
         model, task = self.model, self.task
-        deadline: float | None = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
             delivered = False
             held: list[ReplyEvent] = []
@@ -345,10 +344,9 @@ class _Run:
             except _RunnerLost as lost:
                 if delivered:
                     raise runner_unavailable(str(lost)) from lost
-                deadline = deadline or self.retry.deadline()
                 back = None
                 if attempt < MAX_ATTEMPTS:
-                    back = await self.retry.runner_back(model.model_id, deadline)
+                    back = await self.retry.runner_back(model.model_id)
                 if back is None:
                     tried = f"tried {attempt} times" if attempt > 1 else "not retried"
                     raise lost_unanswered(
@@ -464,7 +462,7 @@ async def _admitted(
     grammar), which the queue's bound thus bounds. A failed runner is waited
     for while it restarts, within the retry's bound."""
     if model.runner.status == "failed":
-        back = await retry.runner_back(model.model_id, retry.deadline())
+        back = await retry.runner_back(model.model_id)
         if back is None:
             raise lost_unanswered(f"{model.runner.error}; it is restarting")
         model = back

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from exo.api.errors import APIError
+from exo.api.routing import SERVING
 from exo.shared.types.ids import ModelId
 from exo.worker.served_model import ServedModel
 
@@ -37,7 +38,6 @@ POLL_SECONDS = 0.2
 # Set on the answer to a routed request that was lost before its first token:
 # the node that routed it sends it elsewhere.
 UNANSWERED_HEADER = "x-exo-unanswered"
-_SERVING = ("ready", "running")
 
 
 def lost_unanswered(reason: str) -> APIError:
@@ -57,7 +57,8 @@ def is_unanswered(error: APIError) -> bool:
 
 @dataclass
 class ReplyRetry:
-    """How one request is retried when its runner is lost before its first token."""
+    """How one request is retried when its runner is lost before any of its
+    reply reached the client."""
 
     seconds: float
     # This node's model by id (its runner may be restarting), or None.
@@ -77,12 +78,12 @@ class ReplyRetry:
             self._deadline = time.monotonic() + self.seconds
         return self._deadline
 
-    async def runner_back(self, model_id: ModelId, deadline: float) -> ServedModel | None:
+    async def runner_back(self, model_id: ModelId) -> ServedModel | None:
         """This node's model once its runner serves again, or None: at the
         deadline, or as soon as it cannot come back here (or need not)."""
-        while time.monotonic() < deadline:
+        while time.monotonic() < self.deadline():
             model = self.local(model_id)
-            if model is not None and model.runner.status in _SERVING:
+            if model is not None and model.runner.status in SERVING:
                 return model
             restarting = (
                 model is not None and model.runner.restart and model.runner.status != "stopped"
