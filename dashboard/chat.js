@@ -11,6 +11,13 @@
 // - The log follows the stream only while it is scrolled to the bottom; Esc
 //   stops an answer; finished answers are announced to screen readers through
 //   a separate live region (the streaming log itself is not live).
+// - Images (pasted, dropped or picked; 20 MiB at most each, the server's
+//   limit) go with the next message for a model that reads them (`images` in
+//   /v1/models: true, or null when another node serves it): the message's
+//   content is then parts, its text and an `image_url` part per image (data
+//   URLs); text-only messages stay plain strings. Conversations keep their
+//   images; one too large for this browser's storage keeps them in memory only
+//   ("not saved: images too large"), its text saved without them.
 // Each answer shows its time to first token, its decode speed and how many
 // prompt tokens the prefix cache served.
 
@@ -23,9 +30,43 @@ const STORE = "exo.chats";
 const CURRENT = "exo.chats.current";
 const FOLLOW_SLACK_PX = 32; // this close to the bottom still follows the stream
 const RENDER_EVERY_MS = 40; // a streaming answer is rendered again at most this often
+const MAX_IMAGE_BYTES = 20 * 1024 * 1024; // the server's limit for an image file
 
 const newId = () => `${Date.now().toString(36)}${Math.random().toString(36).slice(2, 8)}`;
 const titleOf = (text) => (text.length > 60 ? `${text.slice(0, 57).trimEnd()}…` : text);
+const imagesWord = (n) => (n === 1 ? "an image" : `${n} images`);
+/** A conversation's title: its first message's text (or what it sent). */
+const titleFor = (exchange) => (exchange ? titleOf(exchange.user || imagesWord(exchange.images?.length ?? 0)) : "");
+const mib = (bytes) => (bytes / (1024 * 1024)).toFixed(1);
+const isImageUrl = (url) => typeof url === "string" && url.startsWith("data:image/");
+
+/** A user message's content: plain text, or its text and its images as parts. */
+export function userContent(exchange) {
+  const urls = (exchange.images ?? []).map((image) => image.url).filter(isImageUrl);
+  if (!urls.length) return exchange.user;
+  return [
+    ...(exchange.user ? [{ type: "text", text: exchange.user }] : []),
+    ...urls.map((url) => ({ type: "image_url", image_url: { url } })),
+  ];
+}
+
+/** `conversation` as stored when its images do not fit: each image's name only. */
+const withoutImages = (conversation) => ({
+  ...conversation,
+  exchanges: conversation.exchanges.map((exchange) =>
+    exchange.images?.length
+      ? { ...exchange, images: exchange.images.map(({ name }) => ({ name, omitted: true })) }
+      : exchange,
+  ),
+});
+
+const readDataUrl = (file) =>
+  new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error ?? new Error("unreadable"));
+    reader.readAsDataURL(file);
+  });
 
 /** Copies `text`: the Clipboard API where the page may use it, else a hidden textarea. */
 export async function copyText(text) {
@@ -74,14 +115,25 @@ export class ChatView {
   #follow = true; // the log is at its bottom: it follows the stream
   #renderTimer = null;
   #views = new Map(); // exchange id -> its turns' elements
+  #pending = []; // images attached to the next message: {url, name, size}
+  #reads = new Map(); // model id -> its `images` in /v1/models (true, false, null)
+  #tooLarge = new Set(); // conversations whose images stay in memory only
+  #saveError = "";
 
   constructor(cluster, elements) {
     this.cluster = cluster;
+    const $ = (id) => document.getElementById(id);
     this.el = {
       ...elements,
-      list: elements.list ?? document.getElementById("chat-list"),
-      announce: elements.announce ?? document.getElementById("chat-announce"),
+      list: elements.list ?? $("chat-list"),
+      announce: elements.announce ?? $("chat-announce"),
+      attach: elements.attach ?? $("chat-attach"),
+      file: elements.file ?? $("chat-file"),
+      attachments: elements.attachments ?? $("chat-attachments"),
+      attachNote: elements.attachNote ?? $("chat-attach-note"),
+      saveNote: elements.saveNote ?? $("chat-save-note"),
     };
+    this.el.drop = elements.form.closest(".chat-main") ?? elements.form;
     elements.form.addEventListener("submit", (event) => {
       event.preventDefault();
       this.send();
@@ -100,6 +152,8 @@ export class ChatView {
       }
     });
     elements.clear.addEventListener("click", () => this.newConversation());
+    elements.model.addEventListener("change", () => this.#updateAttach());
+    this.#listenForImages();
     elements.log.addEventListener("scroll", () => (this.#follow = this.#atBottom()));
     // Scrolling up stops following at once (before the scroll itself lands).
     elements.log.addEventListener("wheel", (event) => event.deltaY < 0 && (this.#follow = false), { passive: true });
@@ -112,6 +166,7 @@ export class ChatView {
     });
     const wanted = localStorage.getItem(CURRENT);
     this.#open(this.conversations.find((c) => c.id === wanted) ?? null);
+    this.#updateAttach();
   }
 
   /** The served models, kept in the picker (the choice survives updates). */
@@ -124,7 +179,9 @@ export class ChatView {
       return;
     }
     const serving = models.filter((m) => SERVING.has(m.status)).map((m) => m.id);
+    this.#reads = new Map(models.map((m) => [m.id, m.images ?? null]));
     this.#setOptions(serving, "no model is ready: place one in Models");
+    this.#updateAttach();
   }
 
   #setOptions(ids, emptyText) {
@@ -142,21 +199,48 @@ export class ChatView {
 
   // ---- conversations ----
 
-  #save() {
-    const data = JSON.stringify({ version: 1, conversations: this.conversations.filter((c) => c.exchanges.length) });
+  /** Writes `conversations` (as given) to the store; false when it is full. */
+  #write(conversations) {
     try {
-      localStorage.setItem(STORE, data);
+      localStorage.setItem(STORE, JSON.stringify({ version: 1, conversations }));
       if (this.current) localStorage.setItem(CURRENT, this.current.id);
+      return true;
     } catch (error) {
-      // Full: the oldest conversations go first (the list is newest first).
-      const kept = this.conversations.filter((c) => c.exchanges.length);
-      if (kept.length > 1 && kept.at(-1) !== this.current) {
-        this.conversations = this.conversations.filter((c) => c !== kept.at(-1));
-        this.#save();
-      } else {
-        console.warn(`the conversation is not saved: ${error.message}`);
-      }
+      this.#saveError = error.message;
+      return false;
     }
+  }
+
+  #save() {
+    const current = this.current;
+    let kept = this.conversations.filter((c) => c.exchanges.length);
+    let triedAlone = false;
+    for (;;) {
+      if (this.#write(kept.map((c) => (this.#tooLarge.has(c.id) ? withoutImages(c) : c)))) break;
+      // Full. A conversation that does not fit even alone would push every
+      // other one out for nothing: its images stay in memory, its text is saved.
+      if (!triedAlone && kept.includes(current) && !this.#tooLarge.has(current.id)) {
+        triedAlone = true;
+        if (!this.#write([current])) {
+          this.#tooLarge.add(current.id);
+          continue;
+        }
+      }
+      // Else the oldest conversations go first (the list is newest first).
+      const oldest = kept.findLast((c) => c !== current);
+      if (!oldest) {
+        console.warn(`the conversation is not saved: ${this.#saveError}`);
+        break;
+      }
+      kept = kept.filter((c) => c !== oldest);
+      this.conversations = this.conversations.filter((c) => c !== oldest);
+    }
+    this.#showSaveNote();
+  }
+
+  #showSaveNote() {
+    const note = this.el.saveNote;
+    if (note) note.hidden = !this.#tooLarge.has(this.current?.id);
   }
 
   /** Shows `conversation` (a new empty one when null). */
@@ -177,6 +261,7 @@ export class ChatView {
     this.#follow = true;
     this.el.log.scrollTop = this.el.log.scrollHeight;
     this.#renderList();
+    this.#showSaveNote();
   }
 
   newConversation() {
@@ -234,6 +319,132 @@ export class ChatView {
     else this.#renderList();
   }
 
+  // ---- images for the next message ----
+
+  /** Why the chosen model cannot take images, or null when it can. */
+  #refusal() {
+    const model = this.el.model.value;
+    if (!model) return "no model is ready";
+    return this.#reads.get(model) === false ? `${model} reads text only` : null;
+  }
+
+  #updateAttach() {
+    const refusal = this.#refusal();
+    const { attach } = this.el;
+    if (attach) {
+      attach.disabled = Boolean(refusal);
+      attach.title = refusal ?? "Attach images (or paste or drop them here)";
+      attach.parentElement.title = attach.title; // (a disabled button may show no tooltip)
+    }
+    // Images already attached stay; the model they cannot go to says so.
+    if (this.#pending.length && refusal) this.#say(`${refusal}: remove the images or choose another model`, "model");
+    else if (this.el.attachNote?.dataset.kind === "model") this.#say("");
+  }
+
+  /** A note under the input: why images were not attached ("" clears it);
+   * kind "model": the chosen model's (it goes when another model is chosen). */
+  #say(text, kind = "muted") {
+    const note = this.el.attachNote;
+    if (!note) return;
+    note.textContent = text;
+    note.dataset.kind = kind;
+    note.hidden = !text;
+  }
+
+  #listenForImages() {
+    const { attach, file, attachments, text } = this.el;
+    attach?.addEventListener("click", () => file?.click());
+    file?.addEventListener("change", () => {
+      this.#attach([...file.files]);
+      file.value = "";
+    });
+    text.addEventListener("paste", (event) => {
+      const files = [...(event.clipboardData?.files ?? [])];
+      if (!files.length) return; // text pastes as usual
+      event.preventDefault();
+      this.#attach(files);
+    });
+    const drop = this.el.drop;
+    const hasFiles = (event) => [...(event.dataTransfer?.types ?? [])].includes("Files");
+    drop.addEventListener("dragover", (event) => {
+      if (!hasFiles(event)) return;
+      event.preventDefault();
+      event.dataTransfer.dropEffect = "copy"; // (a text-only model's refusal shows on the drop)
+      drop.classList.add("dropping");
+    });
+    // Files dropped elsewhere on the page are not opened in its place (losing the chat).
+    window.addEventListener("dragover", (event) => {
+      if (!hasFiles(event) || event.defaultPrevented) return;
+      event.preventDefault();
+      event.dataTransfer.dropEffect = "none";
+    });
+    window.addEventListener("drop", (event) => hasFiles(event) && event.preventDefault());
+    drop.addEventListener("dragleave", (event) => {
+      if (!drop.contains(event.relatedTarget)) drop.classList.remove("dropping");
+    });
+    drop.addEventListener("drop", (event) => {
+      drop.classList.remove("dropping");
+      const files = [...(event.dataTransfer?.files ?? [])];
+      if (!files.length) return;
+      event.preventDefault();
+      this.#attach(files);
+    });
+    attachments?.addEventListener("click", (event) => {
+      const remove = event.target.closest("[data-remove-image]");
+      if (!remove) return;
+      this.#pending.splice(Number(remove.dataset.removeImage), 1);
+      this.#renderAttachments();
+      this.#say("");
+      this.el.text.focus();
+    });
+  }
+
+  /** Attaches the images among `files` to the next message, saying why any is not. */
+  async #attach(files) {
+    const refusal = this.#refusal();
+    if (refusal) {
+      this.#say(refusal, "model");
+      return;
+    }
+    const refused = [];
+    for (const file of files) {
+      const name = file.name || "pasted image";
+      if (!file.type.startsWith("image/")) {
+        refused.push(`${name} is not an image`);
+      } else if (file.size > MAX_IMAGE_BYTES) {
+        refused.push(`${name} is ${mib(file.size)} MiB: images over ${mib(MAX_IMAGE_BYTES)} MiB are refused`);
+      } else {
+        try {
+          this.#pending.push({ url: await readDataUrl(file), name, size: file.size });
+        } catch (error) {
+          refused.push(`cannot read ${name}: ${error.message}`);
+        }
+      }
+    }
+    this.#renderAttachments();
+    this.#say(refused.join("; "), "error");
+  }
+
+  #renderAttachments() {
+    const box = this.el.attachments;
+    this.el.text.required = !this.#pending.length; // images alone may be sent
+    if (!box) return;
+    box.innerHTML = "";
+    box.hidden = !this.#pending.length;
+    this.#pending.forEach((image, index) => {
+      const item = document.createElement("figure");
+      item.className = "attachment";
+      item.title = image.size === undefined ? image.name : `${image.name} (${mib(image.size)} MiB)`;
+      const img = Object.assign(document.createElement("img"), { src: image.url, alt: image.name });
+      const remove = Object.assign(document.createElement("button"), { type: "button", textContent: "×" });
+      remove.className = "attachment-remove";
+      remove.dataset.removeImage = String(index);
+      remove.setAttribute("aria-label", `Remove ${image.name}`);
+      item.append(img, remove);
+      box.append(item);
+    });
+  }
+
   // ---- turns ----
 
   #renderExchange(exchange) {
@@ -241,6 +452,7 @@ export class ChatView {
     user.className = "turn user";
     user.innerHTML = html`<div class="who">you</div><div class="text"></div>`.text;
     user.querySelector(".text").textContent = exchange.user;
+    if (exchange.images?.length) user.querySelector(".who").after(this.#sentImages(exchange.images));
     const answer = document.createElement("div");
     answer.className = "turn assistant";
     answer.innerHTML = html`<div class="who">${exchange.model}</div>
@@ -296,6 +508,27 @@ export class ChatView {
     notes.innerHTML = notes_;
   }
 
+  /** A sent message's images, as thumbnails (a click shows one larger). */
+  #sentImages(images) {
+    const box = document.createElement("div");
+    box.className = "turn-images";
+    for (const image of images) {
+      if (isImageUrl(image.url)) {
+        const img = Object.assign(document.createElement("img"), { src: image.url, alt: image.name || "image" });
+        img.title = `${image.name || "image"} (click to enlarge)`;
+        img.className = "turn-image";
+        img.addEventListener("click", () => img.classList.toggle("zoomed"));
+        box.append(img);
+      } else {
+        const missing = document.createElement("span");
+        missing.className = "turn-image omitted small";
+        missing.textContent = `${image.name || "image"}: not kept (too large for this browser's storage)`;
+        box.append(missing);
+      }
+    }
+    return box;
+  }
+
   #atBottom() {
     const log = this.el.log;
     return log.scrollHeight - log.scrollTop - log.clientHeight <= FOLLOW_SLACK_PX;
@@ -337,11 +570,14 @@ export class ChatView {
     switch (action.dataset.action) {
       case "retry":
         this.#remove(exchange);
-        this.send(exchange.user);
+        this.send(exchange.user, exchange.images);
         break;
       case "edit":
         this.#remove(exchange);
         this.el.text.value = exchange.user;
+        this.#pending = (exchange.images ?? []).filter((image) => isImageUrl(image.url));
+        this.#renderAttachments();
+        this.#updateAttach();
         this.el.text.focus();
         break;
       case "continue":
@@ -352,7 +588,7 @@ export class ChatView {
 
   #remove(exchange) {
     this.current.exchanges = this.current.exchanges.filter((e) => e !== exchange);
-    this.current.title = titleOf(this.current.exchanges[0]?.user ?? "");
+    this.current.title = titleFor(this.current.exchanges[0]);
     const view = this.#views.get(exchange.id);
     view?.user.remove();
     view?.answer.remove();
@@ -368,7 +604,7 @@ export class ChatView {
     for (const exchange of this.current.exchanges) {
       if (exchange === upto) break;
       if (exchange.outcome === "failed" || !exchange.answer.trim()) continue;
-      messages.push({ role: "user", content: exchange.user }, { role: "assistant", content: exchange.answer });
+      messages.push({ role: "user", content: userContent(exchange) }, { role: "assistant", content: exchange.answer });
     }
     return messages;
   }
@@ -377,15 +613,29 @@ export class ChatView {
     this.#abort?.abort();
   }
 
-  async send(given) {
+  /** Sends the input (its text and the attached images), or, given, a message again. */
+  async send(given, givenImages) {
     const text = (given ?? this.el.text.value).trim();
+    const images = given === undefined ? this.#pending : (givenImages ?? []);
     const model = this.el.model.value;
-    if (!text || !model || this.#abort) return;
-    if (given === undefined) this.el.text.value = "";
+    if ((!text && !images.length) || !model || this.#abort) return;
+    if (given === undefined && images.length && this.#reads.get(model) === false) {
+      this.#say(`${model} reads text only: remove the images or choose another model`, "model");
+      return;
+    }
+    if (given === undefined) {
+      this.el.text.value = "";
+      this.#pending = [];
+      this.#renderAttachments();
+      this.#say("");
+    }
     const conversation = this.current;
     const exchange = { id: newId(), user: text, answer: "", model, outcome: "streaming" };
+    if (images.length) {
+      exchange.images = images.map(({ url, name }) => (isImageUrl(url) ? { url, name } : { name, omitted: true }));
+    }
     conversation.exchanges.push(exchange);
-    conversation.title ||= titleOf(text);
+    conversation.title ||= titleFor(exchange);
     conversation.updated = Date.now();
     // The conversation in use goes to the top of the list.
     this.conversations = [conversation, ...this.conversations.filter((c) => c !== conversation)];
@@ -396,13 +646,13 @@ export class ChatView {
     this.#renderExchange(exchange);
     this.#follow = true;
     this.#followStream();
-    await this.#run(exchange, [...this.#history(exchange), { role: "user", content: text }], false, previous);
+    await this.#run(exchange, [...this.#history(exchange), { role: "user", content: userContent(exchange) }], false, previous);
   }
 
   async #continue(exchange) {
     const messages = [
       ...this.#history(exchange),
-      { role: "user", content: exchange.user },
+      { role: "user", content: userContent(exchange) },
       { role: "assistant", content: exchange.answer },
     ];
     exchange.continueError = undefined;

@@ -164,6 +164,8 @@ FLAGS: tuple[Flag, ...] = (
          "(on the restarted runner, another instance, or the model placed again) before it fails; 0 turns retrying off", str(DEFAULT_RETRY_SECONDS), _non_negative_seconds),
     Flag("--routing", "EXO_ROUTING", f"how this node chooses among a model's replicas, one of {', '.join(ROUTING_POLICIES)}: "
          "cache-aware sends a request where the longest prefix of its prompt is cached unless that replica is much busier", "cache-aware", _routing),
+    Flag("--no-fetch-images", "EXO_NO_FETCH_IMAGES", "do not fetch images that requests give by http(s) URL (such a request is a 400 asking for the image inline); "
+         "for nodes whose network clients should not reach through them", switch=True),
     Flag("--grpc-host", "EXO_GRPC_HOST", "address the cluster link (gRPC) binds to", "0.0.0.0", scope="cluster"),
     Flag("--grpc-port", "EXO_GRPC_PORT", "port of the cluster link (gRPC)", str(DEFAULT_GRPC_PORT), int, scope="cluster"),
     Flag("--peers", "EXO_PEERS", "comma-separated host:grpc_port of other nodes, for networks where discovery is blocked", "", scope="cluster"),
@@ -350,6 +352,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         speculation=args.speculation != "none",
         routing=args.routing,
         retry_seconds=args.retry_seconds,
+        fetch_images=not args.no_fetch_images,
     )
 
 

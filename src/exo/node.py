@@ -3,7 +3,7 @@
 import math
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +46,8 @@ from exo.worker.telemetry import read_telemetry, telemetry_changed
 from exo.worker.worker import Worker, publish_local_models
 
 EVENT_LOG_NAME = "events.log"
+# How often the models directories are looked at for folders added while running.
+MODEL_FOLDERS_SCAN_SECONDS = 2.0
 
 
 class NodeStartupError(RuntimeError):
@@ -87,6 +89,9 @@ class NodeConfig:
     routing: RoutingPolicy = "cache-aware"
     # How long a request lost before its first token is retried (`exo.api.reply_retry`).
     retry_seconds: float = DEFAULT_RETRY_SECONDS
+    # Images that requests give by http(s) URL are fetched (`exo.api.images`);
+    # False (--no-fetch-images): such a request is a 400.
+    fetch_images: bool = True
 
     def model_store(self) -> ModelStore:
         return ModelStore(self.models_dir, self.read_only_models_dirs)
@@ -174,6 +179,31 @@ def _api_address(config: NodeConfig, advertised: str) -> str | None:
     if is_loopback_address(config.host) and not is_loopback_address(advertised):
         return None  # on another machine, this address is that machine
     return f"{config.host}:{config.api_port}"
+
+
+async def _watch_model_folders(
+    link: ClusterLink,
+    models: ModelStore,
+    publish_models: Callable[[Collection[str] | None], Awaitable[None]],
+) -> None:
+    """Tell the cluster about model folders put into the models directories while
+    the node runs, once a folder has stopped changing for a scan (a copy in
+    progress waits), unless the cluster knows the model already (a download
+    here writes into its folder)."""
+    previous = await anyio.to_thread.run_sync(models.folders_signature)
+    tried = previous
+    while True:
+        await anyio.sleep(MODEL_FOLDERS_SCAN_SECONDS)
+        now = await anyio.to_thread.run_sync(models.folders_signature)
+        settled, previous = now & previous, now
+        new = {
+            name
+            for name, _ in settled - tried
+            if name.replace("--", "/", 1) not in link.state.cards
+        }
+        tried = tried | settled
+        if new:
+            await publish_models(new)
 
 
 async def _keep_this_node_in_the_state(
@@ -329,11 +359,11 @@ async def _run_node(config: NodeConfig) -> None:
         )
         link.publish(joined)  # first: events about this node's instances need the node
 
-        async def publish_models() -> None:
+        async def publish_models(only: Collection[str] | None = None) -> None:
             if worker is not None:
-                await worker.publish_local_models()
+                await worker.publish_local_models(only)
             else:
-                await publish_local_models(link, models)
+                await publish_local_models(link, models, only)
 
         await publish_models()
         if config.discovery:
@@ -346,6 +376,7 @@ async def _run_node(config: NodeConfig) -> None:
         group.start_soon(
             _keep_this_node_in_the_state, config, link, joined, stale, n_layers, publish_models
         )
+        group.start_soon(_watch_model_folders, link, models, publish_models)
         if worker is not None:
             group.start_soon(worker.run)
         try:
@@ -366,6 +397,7 @@ async def _run_node(config: NodeConfig) -> None:
                     access=access,
                     routing=config.routing,
                     retry_seconds=config.retry_seconds,
+                    fetch_images=config.fetch_images,
                 )
                 served = (
                     app if config.ollama_port is None else with_ollama_root(app, config.ollama_port)

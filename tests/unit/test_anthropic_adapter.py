@@ -4,6 +4,7 @@ with a 400 naming it, or accepted and ignored from a documented list; requests
 ChatRequest; reply events come out as the exact event stream and message the
 official client reads."""
 
+import base64
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ from exo.engine.tool_calls.parser import (
     ToolCallStart,
 )
 from exo.shared.types.chat import (
+    ChatImage,
     ChatRequest,
     ChatTurn,
     JsonSchemaFormat,
@@ -141,6 +143,23 @@ READ_CALL = ToolCall(id="toolu_01AbC", name="read", arguments='{"path": "a é.tx
 
 def tool_result(content: Any, **extra: Any) -> dict[str, Any]:
     return {"type": "tool_result", "tool_use_id": "toolu_01AbC", "content": content, **extra}
+
+
+PNG_BYTES = b"\x89PNG\r\n\x1a\n a picture"  # the adapter decodes; it does not read pixels
+PNG_B64 = base64.b64encode(PNG_BYTES).decode()
+TEXT_A = {"type": "text", "text": "a"}
+
+
+def image_block(data: str, media_type: str = "image/png") -> dict[str, Any]:
+    return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
+
+
+def url_image(url: str) -> dict[str, Any]:
+    return {"type": "image", "source": {"type": "url", "url": url}}
+
+
+def user_blocks(*blocks: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "user", "content": list(blocks)}
 
 
 TRANSLATIONS: list[tuple[str, dict[str, Any], ChatRequest]] = [
@@ -381,6 +400,43 @@ def test_translation(fields: dict[str, Any], want: ChatRequest) -> None:
     assert chat_request(**fields) == want
 
 
+def test_images_keep_their_place_among_the_text_and_tool_results() -> None:
+    messages = [
+        user_blocks(
+            image_block(PNG_B64),
+            {"type": "text", "text": "one"},
+            url_image("https://example.com/a.png"),
+            {"type": "text", "text": "two"},
+            {**image_block(PNG_B64[:8] + "\n" + PNG_B64[8:]), "cache_control": {"type": "x"}},
+        ),
+        {"role": "assistant", "content": [TOOL_USE]},
+        user_blocks(
+            tool_result([{"type": "text", "text": "shot:"}, image_block(PNG_B64, "image/jpeg")]),
+            image_block(PNG_B64),
+        ),
+    ]
+    assert chat_request(messages=messages).turns == (
+        ChatTurn(
+            role="user",
+            content="one\ntwo",
+            images=(
+                ChatImage(offset=0, data=PNG_BYTES),
+                ChatImage(offset=3, url="https://example.com/a.png"),
+                ChatImage(offset=7, data=PNG_BYTES),
+            ),
+        ),
+        ChatTurn(role="assistant", tool_calls=(READ_CALL,)),
+        ChatTurn(
+            role="tool",
+            content="shot:",
+            images=(ChatImage(offset=5, data=PNG_BYTES),),
+            tool_call_id="toolu_01AbC",
+            name="read",
+        ),
+        ChatTurn(role="user", images=(ChatImage(data=PNG_BYTES),)),
+    )
+
+
 def test_count_tokens_translates_the_same_prompt() -> None:
     fields = {"system": "S", "tools": [READ_TOOL], "thinking": {"type": "disabled"}}
     counted = count_tokens_to_chat_request(
@@ -398,9 +454,39 @@ REJECTED: list[tuple[dict[str, Any], str, str]] = [
         "prefill",
     ),
     (
-        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        {"messages": [user_blocks(image_block("not base64!"))]},
         "messages.0.user.content",
-        "image",
+        "block 0 (source.data): the image is not valid base64",
+    ),
+    (
+        {"messages": [user_blocks(TEXT_A, url_image("file:///etc/passwd"))]},
+        "messages.0.user.content",
+        "block 1 (source.url): an image URL must be a base64 data URL or an http(s) URL",
+    ),
+    (
+        {"messages": [user_blocks({"type": "image"})]},
+        "messages.0.user.content",
+        "block 0: an image block needs a source object",
+    ),
+    (
+        {"messages": [user_blocks({"type": "image", "source": {"type": "path"}})]},
+        "messages.0.user.content",
+        "block 0: an image source's type is base64 or url, not 'path'",
+    ),
+    (
+        {"messages": [user_blocks({"type": "image", "source": {"type": "file", "file_id": "f"}})]},
+        "messages.0.user.content",
+        "block 0: image sources of type 'file' are not supported",
+    ),
+    (
+        {"messages": [USER, {"role": "assistant", "content": [image_block(PNG_B64)]}, USER]},
+        "messages.1.assistant.content",
+        "image content blocks are accepted in user messages and tool results only",
+    ),
+    (
+        {"system": [image_block(PNG_B64)]},
+        "system",
+        "image content blocks are accepted in user messages and tool results only",
     ),
     (
         {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
@@ -408,13 +494,9 @@ REJECTED: list[tuple[dict[str, Any], str, str]] = [
         "document",
     ),
     (
-        {
-            "messages": [
-                {"role": "user", "content": [tool_result([{"type": "image", "source": {}}])]}
-            ]
-        },
+        {"messages": [user_blocks(tool_result([TEXT_A, image_block("")]))]},
         "messages.0.user.content",
-        "image",
+        "block 0 (tool_result) block 1 (source.data): the image is empty",
     ),
     (
         {

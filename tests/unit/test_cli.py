@@ -134,6 +134,16 @@ def test_speculation_is_on_unless_turned_off(
     assert node_config(parse_args(argv)).speculation is on
 
 
+def test_images_are_fetched_unless_turned_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXO_DATA_DIR", str(tmp_path))
+    assert node_config(parse_args([])).fetch_images is True
+    assert node_config(parse_args(["--no-fetch-images"])).fetch_images is False
+    monkeypatch.setenv("EXO_NO_FETCH_IMAGES", "1")
+    assert node_config(parse_args([])).fetch_images is False
+
+
 def test_the_ollama_port_is_off_unless_given(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

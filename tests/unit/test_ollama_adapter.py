@@ -4,6 +4,7 @@ chat and generate requests translate into the internal ChatRequest; reply
 events come out as the NDJSON chunks and the object the official `ollama`
 client reads, with Ollama's stats."""
 
+import base64
 import json
 from typing import Any
 
@@ -51,6 +52,7 @@ from exo.api.reply_stream import (
 from exo.engine.reasoning import ReasoningPiece
 from exo.engine.tool_calls.parser import TextPiece, ToolCallEnd, ToolCallStart
 from exo.shared.types.chat import (
+    ChatImage,
     ChatRequest,
     ChatTurn,
     JsonObjectFormat,
@@ -248,6 +250,28 @@ def test_generate_renders_system_and_prompt_or_takes_a_raw_prompt() -> None:
     assert raw == ChatRequest(model="m", prompt=TextPrompt(text="Hi"), stream=True)
 
 
+PNG_BYTES = b"\x89PNG\r\n\x1a\n a picture"  # the adapter decodes; it does not read pixels
+PNG_B64 = base64.b64encode(PNG_BYTES).decode()
+
+
+def test_images_come_ahead_of_their_messages_text() -> None:
+    messages = [
+        HI | {"images": [PNG_B64, PNG_B64[:4] + "\n" + PNG_B64[4:]]},
+        {"role": "assistant", "content": "A cat.", "images": []},
+        {"role": "tool", "content": "shot", "tool_name": "screenshot", "images": [PNG_B64]},
+    ]
+    picture = ChatImage(offset=0, data=PNG_BYTES)
+    assert chat_request(OllamaChatRequest.model_validate(CHAT | {"messages": messages})).turns == (
+        ChatTurn(role="user", content="Hi", images=(picture, picture)),
+        ChatTurn(role="assistant", content="A cat."),
+        ChatTurn(role="tool", content="shot", images=(picture,), name="screenshot"),
+    )
+    generated = generate_request(
+        OllamaGenerateRequest.model_validate(GENERATE | {"images": [PNG_B64]})
+    )
+    assert generated == expected(turns=(ChatTurn(role="user", content="Hi", images=(picture,)),))
+
+
 def test_a_latest_tag_names_the_untagged_model() -> None:
     assert model_name("org/model:latest") == "org/model"
     assert model_name("model:7b") == "model:7b"
@@ -256,9 +280,21 @@ def test_a_latest_tag_names_the_untagged_model() -> None:
 REJECTED: list[tuple[type[Any], dict[str, Any], str, str]] = [
     (
         OllamaChatRequest,
-        {"messages": [HI | {"images": ["aGk="]}]},
-        "messages.0.images",
-        "images are not supported yet",
+        {"messages": [HI | {"images": [PNG_B64, "not base64!"]}]},
+        "messages.0.images.1",
+        "the image is not valid base64",
+    ),
+    (
+        OllamaChatRequest,
+        {"messages": [HI | {"images": ["data:image/png;base64," + PNG_B64]}]},
+        "messages.0.images.0",
+        "the image is not valid base64",
+    ),
+    (
+        OllamaChatRequest,
+        {"messages": [{"role": "assistant", "content": "x", "images": [PNG_B64]}]},
+        "messages.0",
+        "assistant messages have no images (user and tool messages do)",
     ),
     (OllamaChatRequest, {"made_up": 1}, "made_up", "Extra inputs are not permitted"),
     (OllamaChatRequest, {"options": {"made_up": 1}}, "options.made_up", "Extra inputs"),
@@ -289,7 +325,13 @@ REJECTED: list[tuple[type[Any], dict[str, Any], str, str]] = [
     (OllamaGenerateRequest, {"suffix": "end"}, "suffix", "fill-in-the-middle"),
     (OllamaGenerateRequest, {"template": "{{ .Prompt }}"}, "template", "chat template"),
     (OllamaGenerateRequest, {"context": [1, 2]}, "context", "/api/chat"),
-    (OllamaGenerateRequest, {"images": ["aGk="]}, "images", "images are not supported yet"),
+    (OllamaGenerateRequest, {"images": [""]}, "images.0", "the image is empty"),
+    (
+        OllamaGenerateRequest,
+        {"raw": True, "images": [PNG_B64]},
+        "",
+        "images need the chat template: a raw prompt is used as is",
+    ),
     (OllamaGenerateRequest, {"width": 512}, "width", "image generation"),
     (OllamaGenerateRequest, {"raw": True, "system": "S"}, "", "a raw prompt is used as is"),
 ]

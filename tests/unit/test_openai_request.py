@@ -2,6 +2,7 @@
 naming it, or accepted and ignored from a documented list; a valid request
 translates into the internal ChatRequest with the values the client meant."""
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from exo.api.reply_stream import ReplyFinished, TokenLogprob, TopLogprob
 from exo.engine.reasoning import ReasoningPiece
 from exo.engine.tool_calls.parser import TextPiece
 from exo.shared.types.chat import (
+    ChatImage,
     ChatRequest,
     ChatTurn,
     JsonObjectFormat,
@@ -109,6 +111,17 @@ def test_every_field_of_openais_requests_is_classified() -> None:
     assert set(CompletionRequest.model_fields) >= set(IGNORED_COMPLETION_FIELDS)
 
 
+PNG_BYTES = b"\x89PNG\r\n\x1a\n a picture"  # the adapter decodes; it does not read pixels
+PNG_URL = "data:image/png;base64," + base64.b64encode(PNG_BYTES).decode()
+
+
+def image_message(url: str, **image_url: Any) -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": url, **image_url}}],
+    }
+
+
 def tool_turn(**extra: Any) -> list[dict[str, Any]]:
     call = {"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{}"}}
     return [USER, {"role": "assistant", "content": None, "tool_calls": [call], **extra}]
@@ -123,7 +136,7 @@ REJECTED_CHAT: list[tuple[dict[str, Any], str, str]] = [
     (
         {"prediction": {"type": "content", "content": [{"type": "image_url", "image_url": {}}]}},
         "prediction.content",
-        "'image_url' content parts are not supported",
+        "'image_url' content parts are accepted in user messages only",
     ),
     ({"web_search_options": {}}, "web_search_options", "not supported"),
     ({"moderation": {"model": "omni-moderation-latest"}}, "moderation", "not supported"),
@@ -132,13 +145,44 @@ REJECTED_CHAT: list[tuple[dict[str, Any], str, str]] = [
     ({"frobnicate": 1}, "frobnicate", "unknown parameter"),
     ({"messages": []}, "messages", "at least one"),
     (
-        {
-            "messages": [
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
-            ]
-        },
+        {"messages": [image_message("x")]},
         "messages.0.user.content",
-        "'image_url' content parts are not supported",
+        "part 0 (image_url.url): an image URL must be a base64 data URL or an http(s) URL",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": PNG_URL}]}]},
+        "messages.0.user.content",
+        "part 0: image_url is an object",
+    ),
+    (
+        {"messages": [image_message("ftp://example.com/cat.png")]},
+        "messages.0.user.content",
+        "not 'ftp://example.com/cat.png'",
+    ),
+    (
+        {"messages": [image_message("data:image/png;base64,not base64!")]},
+        "messages.0.user.content",
+        "part 0 (image_url.url): the image is not valid base64",
+    ),
+    (
+        {"messages": [image_message("data:image/png,%89PNG")]},
+        "messages.0.user.content",
+        "an image data URL must be base64",
+    ),
+    (
+        {"messages": [image_message("data:image/png;base64,")]},
+        "messages.0.user.content",
+        "the image is empty",
+    ),
+    (
+        {"messages": [{**image_message(PNG_URL), "role": "system"}]},
+        "messages.0.system.content",
+        "'image_url' content parts are accepted in user messages only",
+    ),
+    (
+        {"messages": [USER, {**image_message(PNG_URL), "role": "assistant"}]},
+        "messages.1.assistant.content",
+        "'image_url' content parts are accepted in user messages only",
     ),
     (
         {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
@@ -406,6 +450,34 @@ def test_messages_become_turns() -> None:
         ChatTurn(role="assistant", content="Yes.", reasoning="Sure."),
         ChatTurn(role="assistant", content="Done."),
     )
+
+
+def test_user_images_keep_their_place_among_the_text() -> None:
+    content = [
+        {"type": "image_url", "image_url": {"url": PNG_URL}},
+        {"type": "text", "text": "Compare "},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "detail": "high"}},
+        {"type": "text", "text": "with"},
+        {"type": "image_url", "image_url": {"url": PNG_URL.replace("data:", "DATA:", 1)}},
+    ]
+    assert chat(messages=[{"role": "user", "content": content}]).turns == (
+        ChatTurn(
+            role="user",
+            content="Compare with",
+            images=(
+                ChatImage(offset=0, data=PNG_BYTES),
+                ChatImage(offset=8, url="https://example.com/a.png"),
+                ChatImage(offset=12, data=PNG_BYTES),
+            ),
+        ),
+    )
+
+
+@pytest.mark.parametrize("detail", ["auto", "low", "high"])
+def test_an_images_detail_is_accepted_and_changes_nothing(detail: str) -> None:
+    with_detail = chat(messages=[image_message(PNG_URL, detail=detail)])
+    assert with_detail == chat(messages=[image_message(PNG_URL)])
+    assert with_detail.turns[0].images == (ChatImage(data=PNG_BYTES),)
 
 
 def test_a_recorded_opencode_turn_is_accepted() -> None:

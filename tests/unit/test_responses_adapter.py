@@ -3,6 +3,7 @@
 translate into the internal ChatRequest; reply events come out as the numbered
 event stream and the response object the official `openai` client reads."""
 
+import base64
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ from exo.engine.tool_calls.parser import (
 )
 from exo.models.chat_tokenizer import load_chat_tokenizer
 from exo.shared.types.chat import (
+    ChatImage,
     ChatRequest,
     ChatTurn,
     JsonObjectFormat,
@@ -67,6 +69,44 @@ READ = ToolFunction(
 
 def expected(**fields: Any) -> ChatRequest:
     return ChatRequest(**({"model": ModelId("m"), "turns": (HI,)} | fields))
+
+
+PNG_BYTES = b"\x89PNG\r\n\x1a\n a picture"  # the adapter decodes; it does not read pixels
+PNG_URL = "data:image/png;base64," + base64.b64encode(PNG_BYTES).decode()
+HI_ITEM = {"role": "user", "content": "Hi"}
+TEXT_A = {"type": "input_text", "text": "a"}
+
+
+def image_part(url: str, detail: str = "auto") -> dict[str, Any]:
+    return {"type": "input_image", "image_url": url, "detail": detail}
+
+
+def user_images(*parts: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "user", "content": list(parts)}
+
+
+def test_input_images_keep_their_place_among_the_text() -> None:
+    content = [
+        image_part(PNG_URL, "high"),
+        {"type": "input_text", "text": "What differs between "},
+        image_part("https://example.com/a.png", "low"),
+        {"type": "input_text", "text": "and this?"},
+        image_part(PNG_URL),
+    ]
+    request = to_chat_request(
+        ResponsesRequest.model_validate(BASE | {"input": [user_images(*content)]})
+    )
+    assert request.turns == (
+        ChatTurn(
+            role="user",
+            content="What differs between and this?",
+            images=(
+                ChatImage(offset=0, data=PNG_BYTES),
+                ChatImage(offset=21, url="https://example.com/a.png"),
+                ChatImage(offset=30, data=PNG_BYTES),
+            ),
+        ),
+    )
 
 
 def test_every_field_of_the_responses_request_is_classified() -> None:
@@ -223,9 +263,52 @@ REJECTED: list[tuple[dict[str, Any], str, str]] = [
     ({"input": []}, "input", "at least one"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference' input items"),
     (
-        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        {"input": [user_images({"type": "input_image", "image_url": "x"})]},
         "input",
-        "text only",
+        "item 0 part 0 (image_url): an image URL must be a base64 data URL or an http(s) URL",
+    ),
+    (
+        {"input": [HI_ITEM, user_images(TEXT_A, image_part("data:image/png;base64,@@"))]},
+        "input",
+        "item 1 part 1 (image_url): the image is not valid base64",
+    ),
+    (
+        {"input": [user_images({"type": "input_image", "file_id": "file-1", "detail": "auto"})]},
+        "input",
+        "item 0 part 0: file_id is not supported: exo stores no files",
+    ),
+    (
+        {"input": [user_images({"type": "input_image", "image_url": {"url": PNG_URL}})]},
+        "input",
+        "item 0 part 0: image_url is a string",
+    ),
+    (
+        {"input": [user_images({"type": "input_image", "detail": "auto"})]},
+        "input",
+        "item 0 part 0: an input_image needs image_url",
+    ),
+    (
+        {"input": [{**user_images(image_part(PNG_URL)), "role": "developer"}]},
+        "input",
+        "'input_image' content is accepted in user messages only",
+    ),
+    (
+        {
+            "input": [
+                {
+                    "type": "function_call_output",
+                    "call_id": "c1",
+                    "output": [image_part(PNG_URL)],
+                }
+            ]
+        },
+        "input",
+        "'input_image' content is accepted in user messages only",
+    ),
+    (
+        {"input": [user_images({"type": "input_file", "file_id": "file-1"})]},
+        "input",
+        "'input_file' content is not supported: exo reads text and images",
     ),
     ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
     ({"tool_choice": {"type": "web_search"}}, "tool_choice", "not supported"),

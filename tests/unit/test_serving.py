@@ -18,6 +18,7 @@ from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.one_at_a_time import OneAtATime
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.engine.mlx.ring import PeerLost
+from exo.shared.prompt_images import PromptImage
 from exo.shared.types.constraints import JsonSchema
 from exo.shared.types.ids import TaskId
 from exo.shared.types.tasks import GenerationParams
@@ -212,6 +213,7 @@ class LostRing:
         tokens: Sequence[int],
         params: GenerationParams,
         system_prompt_length: int = 0,
+        images: Sequence[PromptImage] = (),
     ) -> PromptProgress | None:
         return None
 

@@ -28,6 +28,7 @@ from exo.engine.mlx.batch import BatchOutput, PromptProgress
 from exo.engine.mlx.generate import Finished
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.models.chat_tokenizer import ChatTokenizer, load_chat_tokenizer
+from exo.shared.prompt_images import PromptImage
 from exo.shared.types.chat import ChatRequest
 from exo.shared.types.ids import InstanceId, ModelId, NodeId, TaskId
 from exo.shared.types.state import Instance, InstanceRank
@@ -172,6 +173,7 @@ class RecordingBatch:
         tokens: Sequence[int],
         params: GenerationParams,
         system_prompt_length: int = 0,
+        images: Sequence[PromptImage] = (),
     ) -> PromptProgress | None:
         self.params.append(params)
         self._waiting.append(task_id)

@@ -10,9 +10,11 @@ Requests:
   it stands, so the turns before it (and their cache) are untouched. One with
   `clear_at: "next_user_message"` is left out once a later user message exists.
 - A user message's `tool_result` blocks become tool turns and its text blocks a
-  user turn, in the order sent. Assistant text blocks join as the model wrote
-  them; `tool_use` blocks become calls with their ids kept as sent (templates
-  that render ids put them in the prompt, so the prefix cache depends on them).
+  user turn, in the order sent; `image` blocks go on the turn of the text
+  around them (a tool result's images on its tool turn). Assistant text blocks
+  join as the model wrote them; `tool_use` blocks become calls with their ids
+  kept as sent (templates that render ids put them in the prompt, so the
+  prefix cache depends on them).
 - `thinking` switches the template's `enable_thinking` (enabled/disabled;
   adaptive leaves the model's default), `output_config.effort` is its
   `reasoning_effort`; templates without such variables ignore them.
@@ -41,7 +43,9 @@ from exo.api.anthropic_types import (
     AnyToolChoice,
     AssistantMessageParam,
     AutoToolChoice,
+    Base64ImageSource,
     CountTokensRequest,
+    ImageBlockParam,
     MessageParam,
     MessagesRequest,
     MessagesRequestBase,
@@ -57,6 +61,7 @@ from exo.api.anthropic_types import (
     ToolParam,
     ToolResultBlockParam,
     ToolUseBlockParam,
+    URLImageSource,
     UserMessageParam,
 )
 from exo.api.errors import APIError, anthropic_error_body
@@ -68,9 +73,11 @@ from exo.api.reply_stream import (
     ReplyFinishReason,
     sse_event,
 )
+from exo.api.request_fields import image_from_base64, image_from_url
 from exo.engine.reasoning import ReasoningPiece
 from exo.engine.tool_calls.parser import TextPiece, ToolCallEnd
 from exo.shared.types.chat import (
+    ChatImage,
     ChatRequest,
     ChatTurn,
     JsonSchemaFormat,
@@ -138,28 +145,59 @@ def _assistant_turn(message: AssistantMessageParam) -> ChatTurn:
     )
 
 
+def _image(block: ImageBlockParam) -> ChatImage:
+    match block.source:
+        case Base64ImageSource(data=data):
+            return image_from_base64(data)
+        case URLImageSource(url=url):
+            return image_from_url(url)
+
+
+def _text_and_images(
+    blocks: Sequence[TextBlockParam | ImageBlockParam],
+) -> tuple[str, tuple[ChatImage, ...]]:
+    """Text blocks joined as lines, and the images among them, each at the
+    length of the text before it (ahead of the line break the next text adds)."""
+    texts: list[str] = []
+    length = 0
+    images: list[ChatImage] = []
+    for block in blocks:
+        if isinstance(block, ImageBlockParam):
+            images.append(_image(block).model_copy(update={"offset": length}))
+            continue
+        length += len(block.text) + (1 if texts else 0)
+        texts.append(block.text)
+    return "\n".join(texts), tuple(images)
+
+
 def _user_turns(message: UserMessageParam, call_names: dict[str, str]) -> list[ChatTurn]:
     if isinstance(message.content, str):
         return [ChatTurn(role="user", content=message.content)]
     turns: list[ChatTurn] = []
-    texts: list[str] = []
+    pending: list[TextBlockParam | ImageBlockParam] = []
     for block in message.content:
-        if isinstance(block, TextBlockParam):
-            texts.append(block.text)
+        if not isinstance(block, ToolResultBlockParam):
+            pending.append(block)
             continue
-        if texts:
-            turns.append(ChatTurn(role="user", content="\n".join(texts)))
-            texts = []
+        if pending:
+            text, images = _text_and_images(pending)
+            turns.append(ChatTurn(role="user", content=text, images=images))
+            pending = []
         turns.append(_tool_turn(block, call_names))
-    if texts:
-        turns.append(ChatTurn(role="user", content="\n".join(texts)))
+    if pending:
+        text, images = _text_and_images(pending)
+        turns.append(ChatTurn(role="user", content=text, images=images))
     return turns
 
 
 def _tool_turn(block: ToolResultBlockParam, call_names: dict[str, str]) -> ChatTurn:
+    """A tool result, with the images among its content (a screenshot) on the tool turn."""
+    content = block.content or ""
+    text, images = (content, ()) if isinstance(content, str) else _text_and_images(content)
     return ChatTurn(
         role="tool",
-        content=_text(block.content or "", "\n"),
+        content=text,
+        images=images,
         tool_call_id=block.tool_use_id,
         name=call_names.get(block.tool_use_id),
     )

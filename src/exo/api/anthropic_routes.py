@@ -34,7 +34,12 @@ def anthropic_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter
         async def answer(model: ServedModel, retry: ReplyRetry) -> Response | dict[str, object]:
             chat = chat_for(model)
             reply = await prepare_reply(
-                model, chat, keepalive_seconds, anthropic_tool_use_id, retry=retry
+                model,
+                chat,
+                keepalive_seconds,
+                anthropic_tool_use_id,
+                retry=retry,
+                fetch_images=router.fetch_images,
             )
             show_thinking = anthropic.shows_thinking(body)
             if body.stream:
@@ -52,7 +57,9 @@ def anthropic_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter
             return await relay(model, request)
         chat = anthropic.count_tokens_to_chat_request(body)
         counted = await count_prompt_tokens(
-            model, chat.model_copy(update={"model": model.model_id})
+            model,
+            chat.model_copy(update={"model": model.model_id}),
+            fetch_images=router.fetch_images,
         )
         return TokenCount(input_tokens=counted)
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from exo.api.request_fields import (
     RequestBody,
+    check_raw_image,
     choice_not_among_tools,
     declared_types,
     reject_repeated_names,
@@ -32,7 +33,7 @@ CacheControl = dict[str, Any]
 
 
 _BLOCK_REJECTIONS = {
-    "image": "image content blocks are not supported: the model reads text only",
+    "image": "image content blocks are accepted in user messages and tool results only",
     "document": "document content blocks are not supported: send the document's text",
     "search_result": "search_result content blocks are not supported: send the results as text",
     "container_upload": "container_upload content blocks are not supported: exo runs no code",
@@ -64,6 +65,49 @@ class TextBlockParam(FrozenModel):
     citations: list[dict[str, Any]] | None = None  # ignored
 
 
+# An image's source is checked on the raw message (`_check_images`), named by
+# its block: past the `str | list` content union pydantic would report the
+# string mismatch first.
+
+
+class Base64ImageSource(FrozenModel):
+    type: Literal["base64"]
+    media_type: str  # ignored
+    data: str
+
+
+class URLImageSource(FrozenModel):
+    type: Literal["url"]
+    url: str  # an http(s) URL the node fetches (or a base64 data URL)
+
+
+ImageSource = Annotated[Base64ImageSource | URLImageSource, Field(discriminator="type")]
+
+
+class ImageBlockParam(FrozenModel):
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl | None = None  # ignored
+
+
+def _check_image(block: Any, where: str) -> None:
+    source: Any = block.get("source") if isinstance(block, dict) else None  # pyright: ignore[reportUnknownMemberType]
+    if not isinstance(source, dict):
+        raise unsupported(f"{where}: an image block needs a source object")
+    match source.get("type"):  # pyright: ignore[reportUnknownMemberType]
+        case "base64":
+            check_raw_image(source.get("data"), f"{where} (source.data)", base64_only=True)  # pyright: ignore[reportUnknownMemberType]
+        case "url":
+            check_raw_image(source.get("url"), f"{where} (source.url)")  # pyright: ignore[reportUnknownMemberType]
+        case "file":
+            raise unsupported(
+                f"{where}: image sources of type 'file' are not supported: exo stores no "
+                "files; send the image as base64 or a url"
+            )
+        case kind:
+            raise unsupported(f"{where}: an image source's type is base64 or url, not {kind!r}")
+
+
 class ThinkingBlockParam(FrozenModel):
     """Reasoning in history; `signature` is what exo wrote (see `anthropic.py`)."""
 
@@ -89,10 +133,13 @@ class ToolUseBlockParam(FrozenModel):
     toolset_name: str | None = None  # ignored
 
 
+ToolResultContent = Annotated[TextBlockParam | ImageBlockParam, Field(discriminator="type")]
+
+
 class ToolResultBlockParam(FrozenModel):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlockParam] | None = None
+    content: str | list[ToolResultContent] | None = None
     is_error: bool | None = None  # ignored
     cache_control: CacheControl | None = None  # ignored
     toolset_name: str | None = None  # ignored
@@ -100,10 +147,12 @@ class ToolResultBlockParam(FrozenModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text(cls, content: Any) -> Any:
-        return _only_blocks(content, ("text",))
+        return _only_blocks(content, ("text", "image"))
 
 
-UserBlock = Annotated[TextBlockParam | ToolResultBlockParam, Field(discriminator="type")]
+UserBlock = Annotated[
+    TextBlockParam | ImageBlockParam | ToolResultBlockParam, Field(discriminator="type")
+]
 AssistantBlock = Annotated[
     TextBlockParam | ThinkingBlockParam | RedactedThinkingBlockParam | ToolUseBlockParam,
     Field(discriminator="type"),
@@ -134,11 +183,18 @@ class UserMessageParam(FrozenModel):
     def _blocks(cls, content: Any) -> Any:
         # A result's own blocks are checked here too: past the `str | list`
         # union, pydantic would report the string mismatch first.
-        for block in (
-            _only_blocks(content, ("text", "tool_result")) if isinstance(content, list) else ()
-        ):  # pyright: ignore[reportUnknownVariableType]
-            if isinstance(block, dict) and block.get("type") == "tool_result":  # pyright: ignore[reportUnknownMemberType]
-                _only_blocks(block.get("content"), ("text",))  # pyright: ignore[reportUnknownMemberType]
+        _only_blocks(content, ("text", "image", "tool_result"))
+        for index, block in enumerate(content if isinstance(content, list) else ()):  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "image":  # pyright: ignore[reportUnknownMemberType]
+                _check_image(block, f"block {index}")
+            if block.get("type") == "tool_result":  # pyright: ignore[reportUnknownMemberType]
+                inner: Any = block.get("content")  # pyright: ignore[reportUnknownMemberType]
+                _only_blocks(inner, ("text", "image"))
+                for part, item in enumerate(inner if isinstance(inner, list) else ()):  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
+                    if isinstance(item, dict) and item.get("type") == "image":  # pyright: ignore[reportUnknownMemberType]
+                        _check_image(item, f"block {index} (tool_result) block {part}")
         return content
 
 
@@ -282,6 +338,7 @@ IGNORED_MESSAGES_FIELDS: dict[str, str] = {
     "messages.content.caller": "every call is the model's",
     "messages.content.toolset_name": "not shown to the model",
     "messages.content.is_error": "clients write the error into the content, which the model reads",
+    "messages.content.source.media_type": "the image's own bytes say its format",
     "tools.cache_control": _CACHE_BY_TOKENS,
     "tools.defer_loading": "exo has no tool search: the model sees every tool from the start",
     "tools.eager_input_streaming": "a call goes out when it is complete and checked",

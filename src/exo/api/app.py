@@ -59,6 +59,7 @@ def create_app(
     access: APIAccess | None = None,
     routing: RoutingPolicy = "cache-aware",
     retry_seconds: float = DEFAULT_RETRY_SECONDS,
+    fetch_images: bool = True,
 ) -> FastAPI:
     app = FastAPI(title="exo", version="0.1.0")
     install_error_handlers(app)
@@ -86,6 +87,7 @@ def create_app(
         local_load=admission.load,
         slots=limits.max_concurrent,
         retry_seconds=retry_seconds,
+        fetch_images=fetch_images,
     )
     app.include_router(openai_routes(router, keepalive_seconds))
     app.include_router(anthropic_routes(router, keepalive_seconds))

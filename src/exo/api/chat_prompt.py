@@ -24,6 +24,8 @@ from exo.engine.token_trie import common_prefix_length
 from exo.engine.tool_calls.fallback import fallback_chat_turns
 from exo.engine.tool_calls.formats import ToolCallFormat, detect_tool_format
 from exo.models.chat_tokenizer import ChatTokenizer
+from exo.models.vision import ImagePrompts, Picture
+from exo.shared.prompt_images import PromptImage
 from exo.shared.types.chat import (
     ChatRequest,
     ChatTurn,
@@ -40,6 +42,8 @@ class ChatPrompt:
     # Tokens of the leading system message(s) (and tools) as rendered; the
     # prefix cache keeps such a shared prefix as its own entry.
     system_prompt_length: int
+    # Images, their placeholders in `tokens` written as image keys.
+    images: tuple[PromptImage, ...] = ()
 
 
 def chat_template_text(tokenizer: ChatTokenizer) -> str | None:
@@ -82,7 +86,7 @@ def _template_messages(turns: Sequence[ChatTurn], template: str) -> list[dict[st
     arguments_as_text = "arguments is string" in template
     messages: list[dict[str, Any]] = []
     for turn in turns:
-        message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+        message: dict[str, Any] = {"role": turn.role, "content": _content(turn)}
         if turn.tool_calls:
             message["tool_calls"] = [
                 _template_call(call, arguments_as_text) for call in turn.tool_calls
@@ -97,6 +101,22 @@ def _template_messages(turns: Sequence[ChatTurn], template: str) -> list[dict[st
     return messages
 
 
+def _content(turn: ChatTurn) -> str | list[dict[str, str]]:
+    """A turn's text, or with images its parts in order (as vision templates take them)."""
+    if not turn.images:
+        return turn.content
+    parts: list[dict[str, str]] = []
+    start = 0
+    for image in turn.images:
+        if image.offset > start:
+            parts.append({"type": "text", "text": turn.content[start : image.offset]})
+            start = image.offset
+        parts.append({"type": "image"})
+    if start < len(turn.content) or not turn.content:
+        parts.append({"type": "text", "text": turn.content[start:]})
+    return parts
+
+
 def _encode(
     tokenizer: ChatTokenizer,
     messages: list[dict[str, Any]],
@@ -104,6 +124,17 @@ def _encode(
     template_kwargs: dict[str, Any],
     continue_final: bool = False,
 ) -> list[int]:
+    text = _render(tokenizer, messages, generation, template_kwargs, continue_final)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _render(
+    tokenizer: ChatTokenizer,
+    messages: list[dict[str, Any]],
+    generation: bool,
+    template_kwargs: dict[str, Any],
+    continue_final: bool = False,
+) -> str:
     if continue_final:
         try:
             text = tokenizer.apply_chat_template(
@@ -115,12 +146,12 @@ def _encode(
                 "does not render it as sent"
             ) from error
         assert isinstance(text, str)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return text
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=generation, tokenize=False, **template_kwargs
     )
     assert isinstance(text, str)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return text
 
 
 def _system_prompt_length(
@@ -142,9 +173,16 @@ def _system_prompt_length(
     )
 
 
-def render_prompt(tokenizer: ChatTokenizer, request: ChatRequest) -> ChatPrompt:
+def render_prompt(
+    tokenizer: ChatTokenizer,
+    request: ChatRequest,
+    pictures: Sequence[Picture] = (),
+    vision: ImagePrompts | None = None,
+) -> ChatPrompt:
     """The prompt's token ids: the turns through the chat template (with the
-    generation prompt), or a raw prompt as is (legacy completions)."""
+    generation prompt), or a raw prompt as is (legacy completions). `pictures`:
+    the request's images in order, decoded; a vision model's processor
+    (`vision`) expands each into its placeholders."""
     match request.prompt:
         case None:
             pass
@@ -167,5 +205,16 @@ def render_prompt(tokenizer: ChatTokenizer, request: ChatRequest) -> ChatPrompt:
         turns = fallback_chat_turns(request.turns, tools, request.tool_choice)
     messages = _template_messages(turns, template)
     continue_final = request.continue_final_message and messages[-1]["role"] == "assistant"
-    tokens = _encode(tokenizer, messages, not continue_final, template_kwargs, continue_final)
-    return ChatPrompt(tokens, _system_prompt_length(tokenizer, messages, tokens, template_kwargs))
+    text = _render(tokenizer, messages, not continue_final, template_kwargs, continue_final)
+    images: list[PromptImage] = []
+    if pictures:
+        if vision is None:
+            raise ValueError("the model reads text only")
+        tokens, images = vision.tokens(text, pictures)
+    else:
+        tokens = list(tokenizer.encode(text, add_special_tokens=False))
+    return ChatPrompt(
+        tokens,
+        _system_prompt_length(tokenizer, messages, tokens, template_kwargs),
+        tuple(images),
+    )

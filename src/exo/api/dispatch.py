@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from exo.api.errors import APIError
 from exo.api.generation import check_prompt_size, render
+from exo.api.images import request_images
 from exo.api.metrics import observe_retry, observe_route
 from exo.api.reply_retry import (
     MAX_ATTEMPTS,
@@ -76,7 +77,10 @@ async def dispatch(
             if len(replicas) > 1 and local is not None and router.policy == "cache-aware":
                 chat = chat_for(local)
                 check_prompt_size(local, chat)
-                digests = prefix_digests((await render(local, chat)).tokens)
+                # Images by address are fetched where the request is served, once.
+                if not any(image.url for image in request_images(chat)):
+                    prompt = await render(local, chat, fetch_images=router.fetch_images)
+                    digests = prefix_digests(prompt.tokens)
             route = router.choose(replicas, digests)
             replica = route.replica
             where = "this node" if replica.local else f"node {replica.node_id}"

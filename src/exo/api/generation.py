@@ -28,6 +28,8 @@ from exo.api.admission import Slot, admit
 from exo.api.canonical import canonical_request
 from exo.api.chat_prompt import ChatPrompt, chat_template_text, render_prompt, tool_call_format
 from exo.api.errors import APIError, internal_error, invalid
+from exo.api.images import decode_image, request_images
+from exo.api.images import fetch_images as fetch_request_images
 from exo.api.metrics import GenerationObserver, observe_generation, observe_retry
 from exo.api.reply_retry import MAX_ATTEMPTS, ReplyRetry, lost_unanswered, no_retry
 from exo.api.reply_stream import (
@@ -47,6 +49,8 @@ from exo.engine.reply import ReplyParser
 from exo.engine.tool_calls.formats import ToolCallFormat
 from exo.engine.tool_calls.parser import ToolCallEnd
 from exo.models.chat_tokenizer import ChatTokenizer
+from exo.models.vision import ImagePrompts, Picture
+from exo.shared.prompt_images import is_image_key
 from exo.shared.types.chat import (
     ChatRequest,
     JsonObjectFormat,
@@ -91,17 +95,32 @@ def generation_failed(reason: str) -> APIError:
     return internal_error(f"generation failed: {reason}", "generation_failed")
 
 
-async def render(model: ServedModel, request: ChatRequest) -> ChatPrompt:
-    """The request's prompt tokens (volatile text removed first), or a 400."""
+async def render(model: ServedModel, request: ChatRequest, *, fetch_images: bool) -> ChatPrompt:
+    """The request's prompt tokens (volatile text removed first), or a 400.
+    Its images are fetched (`fetch_images`: from http(s) addresses too) and
+    decoded first; a model that takes none answers 400 naming it."""
+    pictures: list[Picture] = []
+    if request_images(request):
+        if isinstance(model.images, str):
+            raise invalid(model.images, "messages", "model_without_vision")
+        request = await fetch_request_images(request, fetch_images)
+        for image in request_images(request):
+            decoded = await anyio.to_thread.run_sync(decode_image, image.data)
+            pictures.append(Picture(decoded.image, decoded.digest, image.data))
+    vision = model.images if isinstance(model.images, ImagePrompts) else None
     try:
         return await anyio.to_thread.run_sync(
-            render_prompt, model.tokenizer, canonical_request(request)
+            render_prompt, model.tokenizer, canonical_request(request), pictures, vision
         )
     except TemplateError as error:
         raise invalid(
             f"the model's chat template rejected the messages: {error}",
             "messages",
             "invalid_messages",
+        ) from error
+    except ValueError as error:  # the processor could not place the images
+        raise invalid(
+            f"the model's processor rejected the images: {error}", "messages", "invalid_messages"
         ) from error
 
 
@@ -192,6 +211,13 @@ def check_prompt_size(model: ServedModel, request: ChatRequest) -> None:
             f"Your prompt holds {size} bytes of text: at least {least} tokens "
             f"(no token of this model is longer than {model.max_token_bytes} bytes).",
         )
+
+
+def text_tokens(prompt: ChatPrompt) -> list[int]:
+    """The prompt's tokens but its images' (whose keys are no vocabulary's)."""
+    if not prompt.images:
+        return prompt.tokens
+    return [token for token in prompt.tokens if not is_image_key(token)]
 
 
 def check_vocabulary(tokens: Iterable[int], vocabulary: int, param: str) -> None:
@@ -475,13 +501,15 @@ async def _admitted(
     return model, slot
 
 
-async def count_prompt_tokens(model: ServedModel, request: ChatRequest) -> int:
+async def count_prompt_tokens(
+    model: ServedModel, request: ChatRequest, *, fetch_images: bool
+) -> int:
     """The length of `request`'s prompt, under a generation's limits: it holds
     a slot of the model (429/503 as a generation would get) while its size is
     checked and it is tokenized."""
     model, slot = await _admitted(model, request, no_retry())
     try:
-        return len((await render(model, request)).tokens)
+        return len((await render(model, request, fetch_images=fetch_images)).tokens)
     finally:
         slot.release()
 
@@ -492,6 +520,8 @@ async def prepare_reply(
     keepalive_seconds: float,
     new_call_id: Callable[[], str] | None = None,
     retry: ReplyRetry | None = None,
+    *,
+    fetch_images: bool,
 ) -> PreparedReply:
     """Check `request` for `model` (4xx as `APIError`) and take a slot of the
     model (429 when its queue is full, 503 when the wait is too long) before
@@ -504,10 +534,10 @@ async def prepare_reply(
     retry = retry or no_retry()
     model, slot = await _admitted(model, request, retry)
     try:
-        prompt = await render(model, request)
+        prompt = await render(model, request, fetch_images=fetch_images)
         if not prompt.tokens:  # e.g. a text prompt of characters the tokenizer drops
             raise invalid("the prompt has no tokens", "prompt" if request.prompt else "messages")
-        check_vocabulary(prompt.tokens, model.vocabulary_size, "prompt")
+        check_vocabulary(text_tokens(prompt), model.vocabulary_size, "prompt")
         params = await anyio.to_thread.run_sync(
             generation_params, model, request, len(prompt.tokens), constraint
         )
@@ -521,8 +551,9 @@ async def prepare_reply(
         tokens=prompt.tokens,
         params=params,
         system_prompt_length=prompt.system_prompt_length,
+        images=list(prompt.images),
     )
-    tail = model.tokenizer.decode(prompt.tokens[-16:]) if request.prompt is None else ""
+    tail = model.tokenizer.decode(text_tokens(prompt)[-16:]) if request.prompt is None else ""
     template = chat_template_text(model.tokenizer) if request.prompt is None else None
     tools_format = fmt if _tools_offered(request) else None
 

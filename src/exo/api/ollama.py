@@ -10,6 +10,8 @@ Requests:
   `tool_call_id` names).
 - Generate renders `system` and `prompt` through the chat template; `raw`
   uses the prompt as is.
+- `images` (base64 files) of a user or tool message, or of a generate, come
+  ahead of its text (offset 0), as Ollama places them.
 - `options` are the sampling and the limits (`num_predict` <= 0: up to the
   remaining context); `format` is `json` (any JSON object) or a JSON schema,
   enforced by constrained decoding; `think` switches the template's
@@ -53,9 +55,11 @@ from exo.api.reply_stream import (
     TokenLogprob,
     TokenLogprobs,
 )
+from exo.api.request_fields import image_from_base64
 from exo.engine.reasoning import ReasoningPiece
 from exo.engine.tool_calls.parser import TextPiece, ToolCallEnd
 from exo.shared.types.chat import (
+    ChatImage,
     ChatRequest,
     ChatTurn,
     JsonObjectFormat,
@@ -95,6 +99,11 @@ def ndjson(payload: dict[str, Any]) -> str:
 # ---- request -> ChatRequest ----
 
 
+def _images(images: Sequence[str] | None) -> tuple[ChatImage, ...]:
+    """A message's images (base64, checked), all ahead of its text (offset 0)."""
+    return tuple(image_from_base64(image) for image in images or ())
+
+
 def to_turns(messages: Sequence[ChatMessage]) -> tuple[ChatTurn, ...]:
     """The conversation as the chat template sees it."""
     call_names: dict[str, str] = {}
@@ -124,10 +133,16 @@ def to_turns(messages: Sequence[ChatMessage]) -> tuple[ChatTurn, ...]:
                 call_id = message.tool_call_id or None
                 name = message.tool_name or call_names.get(call_id or "")
                 turns.append(
-                    ChatTurn(role="tool", content=content, tool_call_id=call_id, name=name)
+                    ChatTurn(
+                        role="tool",
+                        content=content,
+                        images=_images(message.images),
+                        tool_call_id=call_id,
+                        name=name,
+                    )
                 )
             case role:
-                turns.append(ChatTurn(role=role, content=content))
+                turns.append(ChatTurn(role=role, content=content, images=_images(message.images)))
     return tuple(turns)
 
 
@@ -209,9 +224,8 @@ def generate_request(body: OllamaGenerateRequest) -> ChatRequest:
     if body.raw:
         return ChatRequest(**_generation_fields(body), prompt=TextPrompt(text=body.prompt))
     system = (ChatTurn(role="system", content=body.system),) if body.system else ()
-    return ChatRequest(
-        **_generation_fields(body), turns=(*system, ChatTurn(role="user", content=body.prompt))
-    )
+    user = ChatTurn(role="user", content=body.prompt, images=_images(body.images))
+    return ChatRequest(**_generation_fields(body), turns=(*system, user))
 
 
 # ---- reply events -> chunks ----

@@ -133,9 +133,10 @@ def show(model: ServedModel, card: ModelCard | None) -> dict[str, Any]:
     """A model this node serves. `template` is its chat template (Jinja, not
     Ollama's Go templates); capabilities: completion and tools always (exo
     teaches tool calls to a model whose template has none), thinking when the
-    template writes thinking markers."""
+    template writes thinking markers, vision when it reads images."""
     template = chat_template_text(model.tokenizer) or ""
     thinking = ["thinking"] if detect_thinking_markers(template) is not None else []
+    vision = [] if isinstance(model.images, str) else ["vision"]
     architecture = card.architecture if card is not None else "unknown"
     info: dict[str, Any] = {
         "general.architecture": architecture,
@@ -155,7 +156,7 @@ def show(model: ServedModel, card: ModelCard | None) -> dict[str, Any]:
         "template": template,
         "details": model_details(card),
         "model_info": info,
-        "capabilities": ["completion", "tools", *thinking],
+        "capabilities": ["completion", "tools", *thinking, *vision],
         "modified_at": rfc3339(model.created),
     }
 

@@ -71,7 +71,9 @@ def ollama_routes(
 
         async def reply_with(model: ServedModel, retry: ReplyRetry) -> Response:
             chat = chat_for(model)
-            reply = await prepare_reply(model, chat, keepalive_seconds, retry=retry)
+            reply = await prepare_reply(
+                model, chat, keepalive_seconds, retry=retry, fetch_images=router.fetch_images
+            )
             assembler = ollama.ReplyAssembler(reply, shape, started)
             if chat.stream:
                 return ndjson_response(ollama.reply_lines(assembler))
@@ -88,7 +90,7 @@ def ollama_routes(
 
     @routes.post("/api/generate", response_model=None)
     async def generate(body: OllamaGenerateRequest, request: Request) -> Response:
-        empty = not body.prompt
+        empty = not body.prompt and not body.images
         return await answer(
             request, body.model, "generate", empty, lambda: ollama.generate_request(body)
         )

@@ -9,11 +9,17 @@ rejected as unknown (`extra="forbid"`), an unknown option too. Empty values
 (`""`, `[]`) count as unset, as in Ollama, whose clients send them.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
-from exo.api.request_fields import RequestBody, declared_types, reject_repeated_names, unsupported
+from exo.api.request_fields import (
+    RequestBody,
+    declared_types,
+    image_from_base64,
+    reject_repeated_names,
+    unsupported,
+)
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.tasks import (
     MAX_TOP_LOGPROBS,
@@ -24,7 +30,14 @@ from exo.shared.types.tasks import (
     TopP,
 )
 
-NO_IMAGES = "images are not supported yet: the model reads text only"
+
+def _base64_image(image: str) -> str:
+    image_from_base64(image)  # a 400 naming the image, before any translation
+    return image
+
+
+# An image file (PNG, JPEG, ...) as base64, as Ollama takes them.
+Base64Image = Annotated[str, AfterValidator(_base64_image)]
 _LOADING = "a setting of how Ollama loads a model: exo places and loads models itself"
 _NEVER_SHIFTS = (
     "exo never drops or shifts context: a prompt over the context is a 400, "
@@ -197,7 +210,7 @@ class ChatMessage(FrozenModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | None = None
     thinking: str | None = None  # an assistant's reasoning, shown to the model again
-    images: list[str] | None = None
+    images: list[Base64Image] | None = None  # ahead of the content (user, tool)
     tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
     tool_name: str | None = None  # a tool result: the name of its call
     tool_call_id: str | None = None  # a tool result: the id of its call
@@ -207,15 +220,10 @@ class ChatMessage(FrozenModel):
     def _lower(cls, role: Any) -> Any:
         return role.lower() if isinstance(role, str) else role  # as Ollama reads it
 
-    @field_validator("images")
-    @classmethod
-    def _no_images(cls, images: list[str] | None) -> list[str] | None:
-        if images:
-            raise unsupported(NO_IMAGES)
-        return images
-
     @model_validator(mode="after")
     def _fields_of_its_role(self) -> "ChatMessage":
+        if self.role not in ("user", "tool") and self.images:
+            raise unsupported(f"{self.role} messages have no images (user and tool messages do)")
         if self.role != "assistant" and (self.thinking or self.tool_calls):
             raise unsupported(f"a {self.role} message has no thinking or tool_calls")
         if self.role != "tool" and (self.tool_name or self.tool_call_id):
@@ -293,7 +301,6 @@ REJECTED_GENERATE_FIELDS: dict[str, str] = {
     "send raw: true with the prompt rendered yourself",
     "context": "a previous reply's context is not supported: send the conversation "
     "through /api/chat",
-    "images": NO_IMAGES,
     "width": "image generation is not supported",
     "height": "image generation is not supported",
     "steps": "image generation is not supported",
@@ -303,17 +310,17 @@ IGNORED_GENERATE_FIELDS: dict[str, str] = _IGNORED_COMMON_FIELDS
 
 class OllamaGenerateRequest(GenerationFields):
     """`POST /api/generate`: one prompt, through the chat template (with
-    `system`) unless `raw`. An empty prompt: the model is checked, nothing
-    generated."""
+    `system`, and `images` ahead of the prompt) unless `raw`. An empty prompt
+    without images: the model is checked, nothing generated."""
 
     prompt: str = ""
+    images: list[Base64Image] | None = None  # ahead of the prompt
     system: str | None = None
     raw: bool | None = None
     # rejected when set (REJECTED_GENERATE_FIELDS)
     suffix: str | None = None
     template: str | None = None
     context: list[int] | None = None
-    images: list[str] | None = None
     width: int | None = None
     height: int | None = None
     steps: int | None = None
@@ -327,8 +334,10 @@ class OllamaGenerateRequest(GenerationFields):
 
     @model_validator(mode="after")
     def _raw_is_as_is(self) -> "OllamaGenerateRequest":
-        if self.raw and (self.system or self.think is not None):
-            raise unsupported("system and think need the chat template: a raw prompt is used as is")
+        if self.raw and (self.system or self.think is not None or self.images):
+            raise unsupported(
+                "system, think and images need the chat template: a raw prompt is used as is"
+            )
         return self
 
 
@@ -336,6 +345,7 @@ HONOURED_GENERATE_FIELDS = frozenset(
     {
         "model",
         "prompt",
+        "images",
         "system",
         "raw",
         "stream",

@@ -38,6 +38,7 @@ def openai_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
                 created=m.created,
                 status=m.runner.status,
                 context_length=m.context_length,
+                images=not isinstance(m.images, str),
             )
             for m in router.models.values()
         ]
@@ -57,7 +58,9 @@ def openai_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
 
         async def answer(model: ServedModel, retry: ReplyRetry) -> Response | ChatCompletion:
             chat = chat_for(model)
-            reply = await prepare_reply(model, chat, keepalive_seconds, retry=retry)
+            reply = await prepare_reply(
+                model, chat, keepalive_seconds, retry=retry, fetch_images=router.fetch_images
+            )
             if chat.stream:
                 return sse_response(chat_completion_stream(reply, chat.include_usage))
             return await until_disconnect(request, lambda: chat_completion(reply))
@@ -71,7 +74,9 @@ def openai_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
 
         async def answer(model: ServedModel, retry: ReplyRetry) -> Response | Completion:
             chat = chat_for(model)
-            reply = await prepare_reply(model, chat, keepalive_seconds, retry=retry)
+            reply = await prepare_reply(
+                model, chat, keepalive_seconds, retry=retry, fetch_images=router.fetch_images
+            )
             if chat.stream:
                 return sse_response(text_completion_stream(reply, chat.include_usage))
             return await until_disconnect(request, lambda: text_completion(reply))

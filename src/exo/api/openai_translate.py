@@ -20,6 +20,7 @@ from exo.api.openai_types import (
     ToolParam,
     UserMessageParam,
     parts_text,
+    user_content,
 )
 from exo.shared.types.chat import (
     ChatRequest,
@@ -41,14 +42,17 @@ from exo.shared.types.ids import ModelId
 
 def to_turns(messages: Sequence[ChatMessage]) -> tuple[ChatTurn, ...]:
     """The conversation as the chat template sees it: `developer` is a system
-    turn, text parts are joined, a tool result carries the name of its call."""
+    turn, text parts are joined (a user message's images at their place among
+    them), a tool result carries the name of its call."""
     call_names: dict[str, str] = {}
     turns: list[ChatTurn] = []
     for message in messages:
         match message:
-            case SystemMessageParam() | UserMessageParam():
-                role = "user" if message.role == "user" else "system"
-                turns.append(ChatTurn(role=role, content=parts_text(message.content)))
+            case SystemMessageParam():
+                turns.append(ChatTurn(role="system", content=parts_text(message.content)))
+            case UserMessageParam():
+                text, images = user_content(message.content)
+                turns.append(ChatTurn(role="user", content=text, images=images))
             case AssistantMessageParam():
                 calls = tuple(
                     ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments)

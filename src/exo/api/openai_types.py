@@ -27,13 +27,15 @@ from exo.api.request_fields import (
     NO_END_USERS,
     SCHEMA_NOT_SHOWN,
     RequestBody,
+    check_raw_image,
     choice_not_among_tools,
     declared_types,
+    image_from_url,
     reject_non_function_choice,
     reject_repeated_names,
     unsupported,
 )
-from exo.shared.types.chat import RESERVED_TEMPLATE_KWARGS, ReasoningEffort
+from exo.shared.types.chat import RESERVED_TEMPLATE_KWARGS, ChatImage, ReasoningEffort
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.tasks import (
     LOGIT_BIAS_LIMIT,
@@ -52,8 +54,11 @@ def _only_text_parts(content: Any, allowed: tuple[str, ...]) -> Any:
     # Names the part type a client sent, rather than a union mismatch.
     for kind in declared_types(content):
         if isinstance(kind, str) and kind not in allowed:
+            if kind == "image_url":
+                raise unsupported("'image_url' content parts are accepted in user messages only")
             raise unsupported(
-                f"{kind!r} content parts are not supported: the model reads text only"
+                f"{kind!r} content parts are not supported: exo reads text and images "
+                "(image_url, in user messages)"
             )
     return content
 
@@ -73,12 +78,45 @@ class RefusalPart(FrozenModel):
     refusal: str
 
 
+class ImageURL(FrozenModel):
+    # A base64 data URL, or an http(s) URL the node fetches; checked on the raw
+    # message (`UserMessageParam`), named by its part.
+    url: str
+    detail: str | None = None  # ignored
+
+
+class ImagePart(FrozenModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+UserPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 def parts_text(content: str | list[TextPart] | list[TextPart | RefusalPart] | None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     return "".join(part.text if isinstance(part, TextPart) else part.refusal for part in content)
+
+
+def user_content(content: str | list[UserPart]) -> tuple[str, tuple[ChatImage, ...]]:
+    """A user message's text parts joined (as `parts_text`), and its images, each
+    at the length of the text before it."""
+    if isinstance(content, str):
+        return content, ()
+    texts: list[str] = []
+    length = 0
+    images: list[ChatImage] = []
+    for part in content:
+        if isinstance(part, ImagePart):
+            image = image_from_url(part.image_url.url)
+            images.append(image.model_copy(update={"offset": length}))
+        else:
+            texts.append(part.text)
+            length += len(part.text)
+    return "".join(texts), tuple(images)
 
 
 class SystemMessageParam(FrozenModel):
@@ -94,13 +132,23 @@ class SystemMessageParam(FrozenModel):
 
 class UserMessageParam(FrozenModel):
     role: Literal["user"]
-    content: str | list[TextPart]
+    content: str | list[UserPart]
     name: str | None = None  # ignored
 
     @field_validator("content", mode="before")
     @classmethod
     def _text(cls, content: Any) -> Any:
-        return _only_text_parts(content, ("text",))
+        _only_text_parts(content, ("text", "image_url"))
+        for index, part in enumerate(content if isinstance(content, list) else ()):  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
+            if isinstance(part, dict) and part.get("type") == "image_url":  # pyright: ignore[reportUnknownMemberType]
+                image = part.get("image_url")  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+                if not isinstance(image, dict):
+                    raise unsupported(
+                        f'part {index}: image_url is an object: {{"url": a data or http(s) URL}}'
+                    )
+                url = image.get("url") if isinstance(image, dict) else None  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+                check_raw_image(url, f"part {index} (image_url.url)")
+        return content
 
 
 class FunctionCallParam(FrozenModel):
@@ -336,6 +384,8 @@ IGNORED_CHAT_FIELDS: dict[str, str] = {
     "messages.content.prompt_cache_breakpoint": CACHE_BY_TOKENS,
     "messages.content.cache_control": "Anthropic's cache breakpoints, sent by some clients: "
     + CACHE_BY_TOKENS,
+    "messages.content.image_url.detail": "the model's image processor chooses the resolution "
+    "(detail sets OpenAI's)",
     "response_format.json_schema.name": SCHEMA_NOT_SHOWN,
     "response_format.json_schema.description": SCHEMA_NOT_SHOWN,
 }
@@ -719,6 +769,8 @@ class ModelObject(BaseModel):
     owned_by: str = "exo"
     status: str
     context_length: int | None  # None: served by another node
+    # Whether it reads images (`models/vision.py`); None: served by another node.
+    images: bool | None = None
 
 
 class ModelList(BaseModel):

@@ -1,8 +1,11 @@
 """Checks the three API request modules (OpenAI chat and completions,
 Anthropic Messages, OpenAI Responses) share: how an unsupported value is
-reported, the checks on raw JSON and on tools that read the same in each, and
-the base of every request body (`RequestBody`)."""
+reported, the checks on raw JSON, on tools and on images (a data URL or base64
+decoded, an http(s) URL kept) that read the same in each, and the base of
+every request body (`RequestBody`)."""
 
+import base64
+import binascii
 import math
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
@@ -10,6 +13,7 @@ from typing import Any, cast
 from pydantic import model_validator
 from pydantic_core import PydanticCustomError
 
+from exo.shared.types.chat import ChatImage
 from exo.shared.types.frozen import FrozenModel
 
 # Deepest nesting of objects and arrays a request body may have: chat
@@ -117,3 +121,51 @@ class RequestBody(FrozenModel):
         if problem := sound_json_problem(body):
             raise unsupported(problem)
         return body
+
+
+# ---- images ----
+
+_IMAGE_SCHEMES = ("http://", "https://")
+
+
+def image_from_base64(text: str) -> ChatImage:
+    """An image sent as base64 text (whitespace allowed, as MIME wraps it): its
+    bytes. Malformed base64 or nothing at all is a 400 naming the field."""
+    try:
+        data = base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise unsupported("the image is not valid base64") from None
+    if not data:
+        raise unsupported("the image is empty")
+    return ChatImage(data=data)
+
+
+def image_from_url(url: str) -> ChatImage:
+    """An image sent as an address: a base64 `data:` URL is decoded here, an
+    http(s) URL is kept for the node to fetch (`exo.api.images`); any other
+    scheme is a 400 naming the field."""
+    if url[:5].lower() == "data:":
+        header, comma, payload = url[5:].partition(",")
+        if not comma or not header.lower().endswith(";base64"):
+            raise unsupported(
+                "an image data URL must be base64: data:image/png;base64,<the file as base64>"
+            )
+        return image_from_base64(payload)
+    if url[:8].lower().startswith(_IMAGE_SCHEMES):
+        return ChatImage(url=url)
+    shown = url if len(url) <= 60 else url[:60] + "..."
+    raise unsupported(f"an image URL must be a base64 data URL or an http(s) URL, not {shown!r}")
+
+
+def check_raw_image(reference: object, where: str, base64_only: bool = False) -> None:
+    """An image of the raw body (a data or http(s) URL; base64 when
+    `base64_only`), checked before validation: past a `str | list` content
+    union pydantic would report the string mismatch first. `where` names the
+    part in the message; a reference that is not a string is left to the
+    part's own validation."""
+    if not isinstance(reference, str):
+        return
+    try:
+        image_from_base64(reference) if base64_only else image_from_url(reference)
+    except PydanticCustomError as error:
+        raise unsupported(f"{where}: {error.message()}") from None

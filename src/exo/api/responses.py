@@ -2,7 +2,8 @@
 `ChatRequest`, one reply's events out as a response object or its event stream.
 
 Requests: `instructions` is a system turn ahead of the input; a string input
-is one user message. Items that an earlier reply produced (its `reasoning`,
+is one user message; a user message's `input_image` parts are its images, at
+their place among its text. Items that an earlier reply produced (its `reasoning`,
 assistant `message` and `function_call` items, in a row) make one assistant
 turn, with the call ids kept as sent; a `function_call_output` is a tool turn.
 
@@ -41,6 +42,7 @@ from exo.api.responses_types import (
     ReasoningItem,
     ResponsesRequest,
     parts_text,
+    user_content,
 )
 from exo.engine.reasoning import ReasoningPiece
 from exo.engine.tool_calls.parser import TextPiece, ToolCallEnd
@@ -108,7 +110,8 @@ def to_turns(instructions: str | None, items: str | list[InputItem]) -> tuple[Ch
             reply = None
         match item:
             case MessageItem(role="user", content=content):
-                turns.append(ChatTurn(role="user", content=parts_text(content)))
+                text, images = user_content(content)
+                turns.append(ChatTurn(role="user", content=text, images=images))
             case MessageItem(content=content):  # system, developer
                 turns.append(ChatTurn(role="system", content=parts_text(content)))
             case FunctionCallOutputItem(call_id=call_id, output=output, name=name):

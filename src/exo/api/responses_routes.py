@@ -24,7 +24,13 @@ def responses_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter
             return responses.to_chat_request(body).model_copy(update={"model": model.model_id})
 
         async def answer(model: ServedModel, retry: ReplyRetry) -> Response | dict[str, object]:
-            reply = await prepare_reply(model, chat_for(model), keepalive_seconds, retry=retry)
+            reply = await prepare_reply(
+                model,
+                chat_for(model),
+                keepalive_seconds,
+                retry=retry,
+                fetch_images=router.fetch_images,
+            )
             if body.stream:
                 return sse_response(responses.response_stream(reply, body))
             return await until_disconnect(request, lambda: responses.response_object(reply, body))

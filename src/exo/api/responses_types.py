@@ -22,13 +22,15 @@ from exo.api.request_fields import (
     NO_END_USERS,
     SCHEMA_NOT_SHOWN,
     RequestBody,
+    check_raw_image,
     choice_not_among_tools,
     declared_types,
+    image_from_url,
     reject_non_function_choice,
     reject_repeated_names,
     unsupported,
 )
-from exo.shared.types.chat import ReasoningEffort
+from exo.shared.types.chat import ChatImage, ReasoningEffort
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.tasks import Temperature, TopP
 
@@ -37,8 +39,11 @@ def _only_parts(content: Any, allowed: tuple[str, ...]) -> Any:
     # Names the part type a client sent, rather than a union mismatch.
     for kind in declared_types(content):
         if isinstance(kind, str) and kind not in allowed:
+            if kind == "input_image":
+                raise unsupported("'input_image' content is accepted in user messages only")
             raise unsupported(
-                f"{kind!r} content is not supported: the model reads text only"
+                f"{kind!r} content is not supported: exo reads text and images "
+                "(input_image, in user messages)"
                 if kind.startswith("input_")
                 else f"{kind!r} content is not supported here (allowed: {', '.join(allowed)})"
             )
@@ -52,6 +57,29 @@ class InputTextPart(FrozenModel):
     type: Literal["input_text"]
     text: str
     prompt_cache_breakpoint: dict[str, Any] | None = None  # ignored
+
+
+class InputImagePart(FrozenModel):
+    """Checked on the raw input (`_check_image`), named by its item and part:
+    past the `str | list` unions pydantic would report a string mismatch first."""
+
+    type: Literal["input_image"]
+    image_url: str  # a base64 data URL, or an http(s) URL the node fetches
+    file_id: None = None  # rejected: no file storage
+    detail: str | None = None  # ignored
+
+
+def _check_image(part: dict[str, Any], where: str) -> None:
+    if part.get("file_id") is not None:
+        raise unsupported(
+            f"{where}: file_id is not supported: exo stores no files; send image_url "
+            "(a base64 data URL or an http(s) URL)"
+        )
+    if part.get("image_url") is None:
+        raise unsupported(f"{where}: an input_image needs image_url")
+    if not isinstance(part.get("image_url"), str):
+        raise unsupported(f"{where}: image_url is a string: a base64 data URL or an http(s) URL")
+    check_raw_image(part.get("image_url"), f"{where} (image_url)")
 
 
 class OutputTextPart(FrozenModel):
@@ -68,13 +96,42 @@ class RefusalPart(FrozenModel):
     refusal: str
 
 
-ContentPart = Annotated[InputTextPart | OutputTextPart | RefusalPart, Field(discriminator="type")]
+ContentPart = Annotated[
+    InputTextPart | InputImagePart | OutputTextPart | RefusalPart, Field(discriminator="type")
+]
+
+
+def _part_text(part: ContentPart) -> str:
+    match part:
+        case RefusalPart():
+            return part.refusal
+        case InputImagePart():
+            return ""  # only in user messages (checked), read by `user_content`
+        case _:
+            return part.text
 
 
 def parts_text(content: str | list[ContentPart]) -> str:
     if isinstance(content, str):
         return content
-    return "".join(part.refusal if isinstance(part, RefusalPart) else part.text for part in content)
+    return "".join(_part_text(part) for part in content)
+
+
+def user_content(content: str | list[ContentPart]) -> tuple[str, tuple[ChatImage, ...]]:
+    """A user message's text parts joined (as `parts_text`), and its images, each
+    at the length of the text before it."""
+    if isinstance(content, str):
+        return content, ()
+    texts: list[str] = []
+    length = 0
+    images: list[ChatImage] = []
+    for part in content:
+        if isinstance(part, InputImagePart):
+            images.append(image_from_url(part.image_url).model_copy(update={"offset": length}))
+            continue
+        texts.append(_part_text(part))
+        length += len(texts[-1])
+    return "".join(texts), tuple(images)
 
 
 class MessageItem(FrozenModel):
@@ -250,6 +307,8 @@ IGNORED_RESPONSES_FIELDS: dict[str, str] = {
     "input.content.annotations": _NOT_SHOWN,
     "input.content.logprobs": _NOT_SHOWN,
     "input.content.prompt_cache_breakpoint": CACHE_BY_TOKENS,
+    "input.content.detail": "the model's image processor chooses the resolution "
+    "(detail sets OpenAI's)",
     "input.output.prompt_cache_breakpoint": CACHE_BY_TOKENS,
     "tools.defer_loading": "exo has no tool search: the model sees every tool from the start",
     "tools.allowed_callers": "every call is the model's",
@@ -302,7 +361,7 @@ class ResponsesRequest(RequestBody):
     @classmethod
     def _supported_items(cls, items: Any) -> Any:
         if isinstance(items, list):
-            for item in items:  # pyright: ignore[reportUnknownVariableType]
+            for index, item in enumerate(items):  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
                 kind = _item_type(item)
                 if kind not in _SUPPORTED_ITEMS:
                     raise unsupported(
@@ -314,7 +373,14 @@ class ResponsesRequest(RequestBody):
                 if not isinstance(item, dict):
                     continue
                 if kind == "message":
-                    _only_parts(item.get("content"), ("input_text", "output_text", "refusal"))  # pyright: ignore[reportUnknownMemberType]
+                    allowed = ("input_text", "output_text", "refusal")
+                    if item.get("role") == "user":  # pyright: ignore[reportUnknownMemberType]
+                        allowed = (*allowed, "input_image")
+                    content: Any = item.get("content")  # pyright: ignore[reportUnknownMemberType]
+                    _only_parts(content, allowed)
+                    for part, block in enumerate(content if isinstance(content, list) else ()):  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
+                        if isinstance(block, dict) and block.get("type") == "input_image":  # pyright: ignore[reportUnknownMemberType]
+                            _check_image(block, f"item {index} part {part}")  # pyright: ignore[reportUnknownArgumentType]
                 elif kind == "function_call_output":
                     _only_parts(item.get("output"), ("input_text",))  # pyright: ignore[reportUnknownMemberType]
         return items

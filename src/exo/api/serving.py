@@ -82,6 +82,9 @@ class ModelRouter:
     slots: int = field(default=8, kw_only=True)
     # How long a request lost before its first token is retried (--retry-seconds).
     retry_seconds: float = field(default=DEFAULT_RETRY_SECONDS, kw_only=True)
+    # Images given by http(s) URL are fetched by this node (False: --no-fetch-images,
+    # such a request is a 400); `exo.api.images.fetch_images`'s allow_fetch.
+    fetch_images: bool = field(default=True, kw_only=True)
     _turn: int = field(default=0, init=False)
     # Replicas whose node failed a relay, left out until then (monotonic seconds).
     _failed_until: dict[InstanceId, float] = field(default_factory=dict, init=False)

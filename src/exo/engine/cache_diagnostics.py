@@ -3,6 +3,7 @@
 from collections.abc import Callable
 
 from exo.engine.token_trie import common_prefix_length
+from exo.shared.prompt_images import is_image_key
 from exo.shared.types.cache_stats import CacheMiss, CacheMissReason
 
 # Tokens of decoded text shown on each side of a divergence.
@@ -27,6 +28,7 @@ def explain_lookup(
 
     `best_entry`: the stored sequence sharing the longest prefix with `prompt`;
     `evicted_depth`: the longest prefix an evicted entry shared with it."""
+    decode = _text_of(decode)
     limit = max(len(prompt) - 1, 0)
     depth = common_prefix_length(prompt, best_entry) if best_entry else 0
     if len(prompt) > 1 and (reused >= limit or (best_entry and reused == len(best_entry))):
@@ -46,7 +48,9 @@ def explain_lookup(
     cached = best_entry[depth : depth + CONTEXT_TOKENS] if best_entry else ()
     cached_text = decode(list(cached)) if cached else ""
     prompt_text = decode(list(prompt[depth : depth + CONTEXT_TOKENS]))
-    if reason == "diverged" and _same_text(cached_text, prompt_text):
+    if reason in ("diverged", "no_checkpoint") and _image_at(depth, prompt, best_entry):
+        reason = "image_changed"  # what diverged, before what could be reused of it
+    elif reason == "diverged" and _same_text(cached_text, prompt_text):
         reason = "template_changed"
     return CacheMiss(
         reason=reason,
@@ -57,6 +61,17 @@ def explain_lookup(
         context_text=decode(list(prompt[max(depth - CONTEXT_TOKENS, 0) : depth])) if depth else "",
         cached_text=cached_text,
         prompt_text=prompt_text,
+    )
+
+
+def _text_of(decode: Decode) -> Decode:
+    """`decode` for prompts with images: their keys are no vocabulary's tokens."""
+    return lambda tokens: decode([token for token in tokens if not is_image_key(token)])
+
+
+def _image_at(depth: int, prompt: tuple[int, ...], entry: tuple[int, ...] | None) -> bool:
+    return any(
+        len(tokens) > depth and is_image_key(tokens[depth]) for tokens in (prompt, entry or ())
     )
 
 

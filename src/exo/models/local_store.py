@@ -4,6 +4,7 @@ place and never written."""
 
 import hashlib
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,10 +91,22 @@ class ModelStore:
                 return folder
         return None
 
-    def local_models(self) -> LocalModels:
-        """Every model folder here that can be described, with its files, and
-        those that cannot, with why: any failure to describe one (a malformed
-        config, one no model has) skips that folder alone."""
+    def folders_signature(self) -> frozenset[tuple[str, int]]:
+        """The model folders here, each with its modification time: cheap, to
+        notice folders added (or still being written) by."""
+        signature: set[tuple[str, int]] = set()
+        for root in (self.models_dir, *self.read_only_dirs):
+            if root.is_dir():
+                for folder in root.iterdir():
+                    if (folder / CONFIG_FILE).is_file():
+                        signature.add((folder.name, folder.stat().st_mtime_ns))
+        return frozenset(signature)
+
+    def local_models(self, only: Collection[str] | None = None) -> LocalModels:
+        """Every model folder here that can be described (`only`: of these
+        folder names), with its files, and those that cannot, with why: any
+        failure to describe one (a malformed config, one no model has) skips
+        that folder alone."""
         found: dict[ModelId, tuple[ModelCard, set[str]]] = {}
         unreadable: list[UnreadableModelFolder] = []
         for root in (self.models_dir, *self.read_only_dirs):
@@ -101,6 +114,8 @@ class ModelStore:
                 continue
             for folder in sorted(root.iterdir()):
                 if not (folder / CONFIG_FILE).is_file():
+                    continue
+                if only is not None and folder.name not in only:
                     continue
                 try:
                     model_id = validate_model_id(folder.name.replace("--", "/", 1))

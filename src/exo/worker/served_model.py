@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from exo.models.chat_tokenizer import ChatTokenizer
 from exo.models.sampling_defaults import SamplingDefaults
+from exo.models.vision import ImagePrompts
 from exo.shared.types.ids import ModelId
 from exo.worker.runner.supervisor import RunnerSupervisor
 
@@ -20,6 +21,8 @@ class ServedModel:
     max_token_bytes: int
     # What a request leaves out of its sampling (the model's generation_config.json).
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # What reads its requests' images, or why it takes none (`models/vision.py`).
+    images: ImagePrompts | str = "the model reads text only"
 
     @property
     def vocabulary_size(self) -> int:

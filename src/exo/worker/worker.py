@@ -3,7 +3,7 @@ rank the cluster state places on this node, and stops what is no longer needed
 (see `plan`)."""
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +20,7 @@ from exo.models.file_source import DownloadError, FileSource
 from exo.models.local_store import ModelStore
 from exo.models.sampling_defaults import read_sampling_defaults
 from exo.models.store import context_length
+from exo.models.vision import image_prompts_for
 from exo.shared.replica_reports import CacheReports
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.events import (
@@ -133,8 +134,8 @@ class Worker:
                 for download in self._downloads.values():
                     download.scope.cancel()
 
-    async def publish_local_models(self) -> None:
-        self._have.update(await publish_local_models(self.link, self.models))
+    async def publish_local_models(self, only: Collection[str] | None = None) -> None:
+        self._have.update(await publish_local_models(self.link, self.models, only))
 
     def _facts(self) -> LocalFacts:
         return LocalFacts(
@@ -429,6 +430,9 @@ class Worker:
                 created=int(time.time()),
                 max_token_bytes=await anyio.to_thread.run_sync(longest_token_bytes, tokenizer),
                 sampling_defaults=read_sampling_defaults(path),
+                images=await anyio.to_thread.run_sync(
+                    image_prompts_for, path, instance.model_id, tokenizer, len(instance.ranks) > 1
+                ),
             )
         except Exception as error:
             await runner.shutdown()
@@ -464,10 +468,13 @@ class Worker:
         running.scope.cancel()
 
 
-async def publish_local_models(link: ClusterLink, models: ModelStore) -> dict[ModelId, set[str]]:
+async def publish_local_models(
+    link: ClusterLink, models: ModelStore, only: Collection[str] | None = None
+) -> dict[ModelId, set[str]]:
     """Tell the cluster which models this node has (cards and files), and which
-    of its model folders it could not read."""
-    local = await anyio.to_thread.run_sync(models.local_models)
+    of its model folders it could not read; `only`: of these folders (names),
+    added while the node runs."""
+    local = await anyio.to_thread.run_sync(models.local_models, only)
     found = local.found
     for card, files in found:
         link.publish(
@@ -476,6 +483,8 @@ async def publish_local_models(link: ClusterLink, models: ModelStore) -> dict[Mo
         )
     if found:
         logger.info(f"models here: {', '.join(sorted(c.model_id for c, _ in found))}")
+    if only is not None:
+        return {card.model_id: files for card, files in found}
     # What the state still says from before a restart (a download cut short, a
     # deleted folder) is corrected: partial files are picked up by the next download.
     here = {card.model_id for card, _ in found}

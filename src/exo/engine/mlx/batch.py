@@ -70,7 +70,9 @@ from exo.engine.mlx.generate import (
 )
 from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, needs_checkpoints
 from exo.engine.mlx.sampling import PendingToken, SampledToken, SamplingStep, greedy_rows
+from exo.engine.mlx.vision import ImagePrompt
 from exo.engine.speculation import Draft, Drafter, verify_width
+from exo.shared.prompt_images import PromptImage
 from exo.shared.types.tasks import GenerationParams
 
 # How many requests decode together at most (the node's admission control
@@ -111,9 +113,11 @@ class Batch(Protocol):
         tokens: Sequence[int],
         params: GenerationParams,
         system_prompt_length: int = 0,
+        images: Sequence[PromptImage] = (),
     ) -> PromptProgress | None:
         """Take a request; its progress so far, or None when it reports it as it
-        reads its prompt. Raises (and takes nothing) for an invalid request."""
+        reads its prompt. Raises (and takes nothing) for an invalid request.
+        `images`: where `tokens` holds images (`shared/prompt_images.py`)."""
         ...
 
     def cancel(self, task_id: str) -> bool: ...
@@ -151,6 +155,7 @@ class _Request:
     # Its caches cannot be cut back: its prompt is read on its own (with the
     # system prompt's checkpoint) and a checkpoint stored before its reply.
     checkpoints: bool
+    images: ImagePrompt | None  # its prompt's, read as embeddings on its own
     read: int = 0  # prompt tokens in its cache (restored or prefilled)
     generated: list[int] = field(default_factory=list[int])
     # In the batch: the token its next decode step feeds in, and the token drawn
@@ -222,20 +227,23 @@ class ContinuousBatcher:
         tokens: Sequence[int],
         params: GenerationParams,
         system_prompt_length: int = 0,
+        images: Sequence[PromptImage] = (),
     ) -> PromptProgress:
         """Take a request; it reads its prompt in later steps. Raises (and takes
         nothing) when the request is invalid, e.g. an uncompilable constraint."""
         generator = self._generator
         match, layers = generator.start(tokens, params)
+        prompt = generator.image_prompt(tokens, images)
+        ids = prompt.ids if prompt is not None else tokens
         drafter = (
-            Drafter(tokens, params.prediction) if self._speculate and params.speculation else None
+            Drafter(ids, params.prediction) if self._speculate and params.speculation else None
         )
         request = _Request(
             task_id=task_id,
             tokens=tokens,
             params=params,
             layers=layers,
-            sampling=self._model.sampling_for(params, tokens),
+            sampling=self._model.sampling_for(params, ids),
             stream=TextStream(
                 generator.tokenizer,
                 params,
@@ -245,6 +253,7 @@ class ContinuousBatcher:
             ),
             checkpoints=generator.prefix_cache is not None
             and generator.prefix_cache.needs_checkpoints(layers),
+            images=prompt,
             read=match.usable,
             drafter=drafter,
         )
@@ -253,6 +262,7 @@ class ContinuousBatcher:
             match.usable,
             layers,
             generator.checkpoint_at(system_prompt_length, layers),
+            prompt,
         )
         self._reading.append(request)
         return PromptProgress(match.usable, len(tokens) - 1)
@@ -322,7 +332,8 @@ class ContinuousBatcher:
         room, total = self.max_batch - len(self._rows), 0
         for request in self._reading:
             rest = len(request.tokens) - 1 - request.read
-            if len(group) == room or request.checkpoints or total + rest > budget:
+            alone = request.checkpoints or request.images is not None
+            if len(group) == room or alone or total + rest > budget:
                 break
             group.append(request)
             total += rest

@@ -42,8 +42,10 @@ from exo.engine.mlx.prefix_cache import (
     resume,
 )
 from exo.engine.mlx.sampling import PendingToken, SampledToken, SamplingStep
+from exo.engine.mlx.vision import ImagePrompt, VisionEncoder
 from exo.engine.speculation import SpeculationStats
 from exo.engine.stop_sequences import StopMatcher
+from exo.shared.prompt_images import PromptImage, is_image_key
 from exo.shared.types.tasks import FinishReason, GenerationParams, SampledLogprob, Usage
 
 PREFILL_STEP_TOKENS = 512
@@ -132,8 +134,16 @@ class LocalModel:
             raise RuntimeError("tokens are drawn only within a request")
         return self._sampling
 
-    def prefill(self, tokens: Sequence[int], layers: list[LayerCache]) -> None:
-        self.model(mx.array(list(tokens))[None], cache=layers)
+    def prefill(
+        self, tokens: Sequence[int], layers: list[LayerCache], embeddings: mx.array | None = None
+    ) -> None:
+        """Read `tokens` into the cache (as `embeddings`, where a prompt holds
+        images: `vision.ImagePrompt`)."""
+        inputs = mx.array(list(tokens))[None]
+        if embeddings is None:
+            self.model(inputs, cache=layers)
+        else:
+            self.model(inputs, cache=layers, input_embeddings=embeddings)
         mx.eval([layer.state for layer in layers])
 
     def next_token(self, token: int, layers: list[LayerCache]) -> SampledToken:
@@ -175,11 +185,15 @@ class TextGenerator:
         tokenizer: TokenizerWrapper,
         prefix_cache: KVPrefixCache | None,
         prefill_step_tokens: int = PREFILL_STEP_TOKENS,
+        vision: VisionEncoder | None = None,
     ) -> None:
+        """`vision`: a vision model's image side; without it a request with
+        images fails."""
         self.forward = forward
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self.prefill_step_tokens = prefill_step_tokens
+        self.vision = vision
 
     def generate(
         self,
@@ -188,11 +202,17 @@ class TextGenerator:
         system_prompt_length: int = 0,
         is_cancelled: Callable[[], bool] = lambda: False,
         on_progress: Callable[[int, int], None] = lambda done, total: None,
+        images: Sequence[PromptImage] = (),
     ) -> Iterator[GenerationOutput]:
         match, layers = self.start(tokens, params)
-        with self.forward.request(tokens, params):
+        prompt = self.image_prompt(tokens, images)
+        with self.forward.request(prompt.ids if prompt else tokens, params):
             chunks = self.prefill_chunks(
-                tokens[:-1], match.usable, layers, self.checkpoint_at(system_prompt_length, layers)
+                tokens[:-1],
+                match.usable,
+                layers,
+                self.checkpoint_at(system_prompt_length, layers),
+                prompt,
             )
             done, total = match.usable, len(tokens) - 1
             on_progress(done, total)
@@ -220,10 +240,22 @@ class TextGenerator:
         the cache's decision and the cache objects to prefill the rest into."""
         if not tokens:
             raise ValueError("the prompt has no tokens")
+        if is_image_key(tokens[-1]):
+            raise ValueError("the prompt ends inside an image")
         if params.constraint is not None:
             # Fails the task before any work.
             compile_constraint(self.tokenizer, params.constraint)
         return resume(self.prefix_cache, tokens, self.forward.make_cache)
+
+    def image_prompt(
+        self, tokens: Sequence[int], images: Sequence[PromptImage]
+    ) -> ImagePrompt | None:
+        """A prompt with images, as the model reads it; None without images."""
+        if not images:
+            return None
+        if self.vision is None:
+            raise ValueError("this model reads text only: it was loaded without a vision tower")
+        return ImagePrompt(self.vision, tokens, images)
 
     def checkpoint_at(self, system_prompt_length: int, layers: list[LayerCache]) -> int:
         """Where prefill stores a checkpoint: the system prompt's end, for caches
@@ -238,18 +270,22 @@ class TextGenerator:
         done: int,
         layers: list[LayerCache],
         checkpoint: int = 0,
+        images: ImagePrompt | None = None,
     ) -> Iterator[int]:
         """Prefill `tokens` from `done` (those were restored) a chunk per step,
         yielding how many are done after each. Caches that cannot be cut back are
         stored on the way at `checkpoint` (the system prompt's end), which other
-        conversations with that system prompt restore."""
+        conversations with that system prompt restore. A prompt with `images`
+        reads them as input embeddings."""
         total = len(tokens)
         while done < total:
             end = min(done + self.prefill_step_tokens, total)
             end = checkpoint if done < checkpoint < end else end
-            chunk = tokens[done:end]
-            self.forward.prefill(chunk, layers)
-            done += len(chunk)
+            if images is None:
+                self.forward.prefill(tokens[done:end], layers)
+            else:
+                self.forward.prefill(images.ids[done:end], layers, images.embeddings(done, end))
+            done = end
             if done == checkpoint and self.prefix_cache is not None:
                 self.prefix_cache.store(tokens[:done], layers)
             yield done

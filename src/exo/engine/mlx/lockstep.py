@@ -54,6 +54,7 @@ from exo.engine.mlx.ring_agreements import (
     RingDiskLoad,
     answer_load,
 )
+from exo.shared.prompt_images import PromptImage
 from exo.shared.types.tasks import GenerationParams
 
 # A rank's `LocalModel.eager_rows`: every decode step's tokens are read back
@@ -128,7 +129,10 @@ class LockstepBatch:
         tokens: Sequence[int],
         params: GenerationParams,
         system_prompt_length: int = 0,
+        images: Sequence[PromptImage] = (),
     ) -> PromptProgress | None:
+        if images:  # the node refuses them first (`models/vision.py`)
+            raise ValueError("a split instance reads text only")
         if params.seed is None:
             params = params.model_copy(update={"seed": secrets.randbits(_SEED_BITS)})
         cache = self._inner.prefix_cache

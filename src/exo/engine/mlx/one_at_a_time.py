@@ -14,6 +14,7 @@ from typing import cast
 from exo.engine.mlx.batch import BatchOutput, GenerationFailed
 from exo.engine.mlx.generate import Finished, GenerationOutput, TextGenerator
 from exo.engine.mlx.prefix_cache import KVPrefixCache
+from exo.shared.prompt_images import PromptImage
 from exo.shared.types.tasks import GenerationParams
 
 # `TextGenerator.generate` is a generator function: `close()` ends a reply early.
@@ -52,6 +53,7 @@ class OneAtATime:
         tokens: Sequence[int],
         params: GenerationParams,
         system_prompt_length: int = 0,
+        images: Sequence[PromptImage] = (),
     ) -> None:
         """Take a request while none is served; it starts in the next step, which
         reports its progress as it goes (none to report here)."""
@@ -63,6 +65,7 @@ class OneAtATime:
             system_prompt_length,
             is_cancelled=lambda: self._is_cancelled(task_id),
             on_progress=lambda done, total: self._on_progress(task_id, done, total),
+            images=images,
         )
         self._reply = (task_id, cast(Reply, reply))
 

@@ -9,6 +9,7 @@ CacheMissReason = Literal[
     "evicted",  # an entry that matched further was evicted
     "diverged",  # the prompt differs from the best entry inside it
     "template_changed",  # same text, other tokens: the template or tokenizer changed
+    "image_changed",  # another image where the best entry has one (`shared/prompt_images.py`)
     "no_checkpoint",  # a non-trimmable cache has no checkpoint at or before the divergence
     "too_short",  # the prompt has a single token: nothing to reuse
 ]

@@ -8,7 +8,7 @@ these types, below the adapters, so each is written once.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from exo.shared.types.frozen import FrozenModel
 
@@ -59,11 +59,27 @@ ResponseFormat = Annotated[
 ]
 
 
+class ChatImage(FrozenModel):
+    """An image in a message: where it sits among the turn's text, and the image
+    file (PNG, JPEG, ...) as the client sent it, or the http(s) address the
+    node fetches it from (`api/images.py`) before the prompt is rendered."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64"
+    )
+
+    offset: int = Field(default=0, ge=0)  # characters of `content` before it
+    url: str | None = None  # not fetched yet
+    data: bytes = b""
+
+
 class ChatTurn(FrozenModel):
     """One message of the conversation, as the chat template sees it."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    # Images among `content`'s text, in order (user turns of vision models).
+    images: tuple[ChatImage, ...] = ()
     # assistant turns: the calls it made and its reasoning (thinking) text
     tool_calls: tuple[ToolCall, ...] = ()
     reasoning: str | None = None

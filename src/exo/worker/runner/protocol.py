@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
 
+from exo.shared.prompt_images import PromptImage
 from exo.shared.types.cache_stats import CacheStats
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import TaskId
@@ -27,6 +28,8 @@ class Generate(FrozenModel):
     tokens: list[int]
     params: GenerationParams
     system_prompt_length: int = 0
+    # Images, whose placeholders `tokens` holds as image keys (`shared/prompt_images.py`).
+    images: list[PromptImage] = Field(default_factory=list[PromptImage])
 
 
 class Cancel(FrozenModel):

@@ -151,7 +151,9 @@ class Runner:
         if not self.speculation:
             params = params.model_copy(update={"speculation": False})
         try:
-            progress = batch.add(task.task_id, task.tokens, params, task.system_prompt_length)
+            progress = batch.add(
+                task.task_id, task.tokens, params, task.system_prompt_length, task.images
+            )
         except Exception as error:  # a bad request must not stop the runner
             self._end(batch, task, _failure_message(task, error))
             return

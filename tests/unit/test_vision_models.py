@@ -1,0 +1,377 @@
+"""The tiny vision-language models of `tests/vision_models.py`: mlx-lm loads each
+as a text model and mlx-vlm whole, every weight in place; the chat template
+and the processors turn an image into the family's image tokens, as many as
+the vision tower and projector give features; the logits depend on the image;
+and mlx-lm's text model fed mlx-vlm's merged embeddings gives mlx-vlm's logits.
+
+mlx-vlm's models are run as its `generate` runs them: `get_input_embeddings`,
+then the language model with a fresh cache. (Gemma 3's `Model.__call__` instead
+hands the language model the all-ones 4-D mask `get_input_embeddings` returns,
+which MLX adds to the attention scores: no causal mask, no sliding window.)"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import transformers
+from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_lm_load  # pyright: ignore[reportAttributeAccessIssue]  # not in the stubs
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_vlm.utils import load as mlx_vlm_load
+from mlx_vlm.utils import load_model as mlx_vlm_load_model
+from PIL import Image
+
+from tests.vision_models import (
+    VISION_FAMILIES,
+    image_marker,
+    image_token,
+    make_tiny_vision_model,
+)
+
+SIDE_TOKENS = 4  # a square image: 4 x 4 image tokens in both families
+# The ids `make_tiny_vision_model` gives the added tokens, after SmolLM2's 49152.
+TOKEN_IDS: dict[str, dict[str, int]] = {
+    "gemma3": {
+        "<start_of_turn>": 49152,
+        "<end_of_turn>": 49153,
+        "<start_of_image>": 49154,
+        "<end_of_image>": 49155,
+        "<image_soft_token>": 49156,
+    },
+    "mistral3": {
+        "[INST]": 49152,
+        "[/INST]": 49153,
+        "[SYSTEM_PROMPT]": 49154,
+        "[/SYSTEM_PROMPT]": 49155,
+        "[IMG]": 49156,
+        "[IMG_BREAK]": 49157,
+        "[IMG_END]": 49158,
+    },
+}
+QUESTION: list[dict[str, Any]] = [
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}
+]
+
+
+@pytest.fixture(scope="module", params=VISION_FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+@pytest.fixture(scope="module")
+def model_path(family: str, smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_vision_model(family, tmp_path_factory.mktemp(family) / family, smollm_dir)
+
+
+@pytest.fixture(scope="module")
+def vlm(model_path: Path) -> tuple[Any, Any]:
+    """mlx-vlm's model and processor."""
+    model, processor = mlx_vlm_load(str(model_path))
+    return model, processor
+
+
+def red() -> Image.Image:
+    return Image.new("RGB", (48, 40), (255, 0, 0))
+
+
+def blue_stripes() -> Image.Image:
+    pixels = np.full((40, 56, 3), 255, np.uint8)
+    pixels[::4] = (0, 0, 255)
+    pixels[1::4] = (0, 0, 255)
+    return Image.fromarray(pixels)
+
+
+def prompt_of(tokenizer: Any) -> str:
+    rendered: str = tokenizer.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=False
+    )
+    return rendered
+
+
+def process(processor: Any, image: Image.Image) -> tuple[mx.array, mx.array, dict[str, mx.array]]:
+    """input_ids, pixel_values and the other image inputs (pixtral's image_sizes)."""
+    out = processor(text=prompt_of(processor.tokenizer), images=[image], return_tensors="np")
+    extras = {
+        key: mx.array(np.array(value))
+        for key, value in out.items()
+        if key not in ("input_ids", "attention_mask", "token_type_ids", "pixel_values")
+    }
+    return mx.array(np.array(out["input_ids"])), mx.array(np.array(out["pixel_values"])), extras
+
+
+def merged_embeddings(
+    model: Any, ids: mx.array, pixel_values: mx.array, extras: dict[str, mx.array]
+) -> mx.array:
+    # gemma3's get_input_embeddings needs the attention mask
+    embeddings: mx.array = model.get_input_embeddings(
+        ids, pixel_values, mask=mx.ones(ids.shape), **extras
+    ).inputs_embeds
+    return embeddings
+
+
+def vlm_last_logits(
+    model: Any, ids: mx.array, pixel_values: mx.array, extras: dict[str, mx.array]
+) -> mx.array:
+    embeddings = merged_embeddings(model, ids, pixel_values, extras)
+    # A copy: Gemma 3's language models scale the embeddings they are given in place.
+    logits: mx.array = model.language_model(
+        ids, inputs_embeds=mx.array(embeddings), cache=model.language_model.make_cache()
+    ).logits
+    return logits[0, -1]
+
+
+def image_features(
+    model: Any, family: str, pixel_values: mx.array, extras: dict[str, mx.array]
+) -> int:
+    """How many features the vision tower and projector give for the images."""
+    pixels = pixel_values.transpose(0, 2, 3, 1)
+    if family == "gemma3":
+        hidden, _, _ = model.vision_tower(pixels, output_hidden_states=True)
+        features: mx.array = model.multi_modal_projector(hidden)
+        return features.shape[0] * features.shape[1]
+    *_, hidden_states = model.vision_tower(
+        pixels, output_hidden_states=True, image_sizes=extras["image_sizes"]
+    )
+    features = model.multi_modal_projector(hidden_states[-1].squeeze(0), extras["image_sizes"])
+    return features.shape[0]
+
+
+def expected_image_ids(family: str, rows: int, columns: int) -> list[int]:
+    ids = TOKEN_IDS[family]
+    if family == "gemma3":
+        return (
+            [ids["<start_of_image>"]]
+            + [ids["<image_soft_token>"]] * (rows * columns)
+            + [ids["<end_of_image>"]]
+        )
+    row = [ids["[IMG]"]] * columns
+    return [*([*row, ids["[IMG_BREAK]"]] * (rows - 1)), *row, ids["[IMG_END]"]]
+
+
+def token_ids(ids: mx.array) -> list[int]:
+    return [int(token) for token in np.array(ids[0])]
+
+
+def contains(sequence: list[int], part: list[int]) -> bool:
+    return any(sequence[i : i + len(part)] == part for i in range(len(sequence) - len(part) + 1))
+
+
+def test_mlx_lm_loads_the_text_model(family: str, model_path: Path) -> None:
+    model, tokenizer = mlx_lm_load(str(model_path))
+    names = [name for name, _ in tree_flatten(model.parameters())]
+    assert names and all(name.startswith("language_model.") for name in names)
+    config = json.loads((model_path / "config.json").read_text())
+    assert config["text_config"]["vocab_size"] >= len(tokenizer.vocab)
+    assert max(TOKEN_IDS[family].values()) < config["text_config"]["vocab_size"]
+
+    ids = mx.array([tokenizer.encode(prompt_of(tokenizer))])
+    logits = model(ids, cache=make_prompt_cache(model))
+    assert logits.shape == (1, ids.shape[1], config["text_config"]["vocab_size"])
+    embeddings = model.language_model.model.embed_tokens(ids)
+    from_embeddings = model(ids, cache=make_prompt_cache(model), input_embeddings=embeddings)
+    assert from_embeddings.shape == logits.shape
+
+
+def test_mlx_vlm_loads_every_weight_as_written(family: str, model_path: Path) -> None:
+    model = mlx_vlm_load_model(model_path, strict=True)
+    loaded = dict(tree_flatten(model.parameters()))
+    saved = mx.load(str(model_path / "model.safetensors"))
+    assert isinstance(saved, dict)
+    for prefix in ("language_model.", "vision_tower.", "multi_modal_projector."):
+        assert any(name.startswith(prefix) for name in saved)
+    for name, array in saved.items():
+        if family == "mistral3":  # the hub's names
+            name = name.replace("vision_tower.", "vision_tower.vision_model.")
+        if array.ndim == 4:  # PyTorch's convolutions
+            array = array.transpose(0, 2, 3, 1)
+        assert mx.array_equal(loaded.pop(name), array), name
+    # What is left is gemma3's output head, tied to its embedding.
+    tied = ["language_model.lm_head.weight"] if family == "gemma3" else []
+    assert sorted(loaded) == tied
+
+
+def test_the_chat_template_renders_images_the_family_s_way(family: str, model_path: Path) -> None:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    bos, eos = tokenizer.bos_token, tokenizer.eos_token
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        *QUESTION,
+        {"role": "assistant", "content": "A red square."},
+        {"role": "user", "content": "And now?"},
+    ]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if family == "gemma3":
+        assert rendered == (
+            f"{bos}<start_of_turn>user\nBe brief.\n\n<start_of_image>What is this?<end_of_turn>\n"
+            "<start_of_turn>model\nA red square.<end_of_turn>\n"
+            "<start_of_turn>user\nAnd now?<end_of_turn>\n<start_of_turn>model\n"
+        )
+    else:
+        assert rendered == (
+            f"{bos}[SYSTEM_PROMPT]Be brief.[/SYSTEM_PROMPT][INST][IMG]What is this?[/INST]"
+            f"A red square.{eos}[INST]And now?[/INST]"
+        )
+    assert rendered.count(image_marker(family)) == 1
+    # Each added token is one special token.
+    for token, token_id in TOKEN_IDS[family].items():
+        assert tokenizer.convert_tokens_to_ids(token) == token_id
+        assert tokenizer.encode(token, add_special_tokens=False) == [token_id]
+    assert (
+        tokenizer.convert_tokens_to_ids(image_token(family))
+        == TOKEN_IDS[family][image_token(family)]
+    )
+
+
+def test_gemma3_s_tokenizer_names_its_image_tokens(model_path: Path, family: str) -> None:
+    if family != "gemma3":
+        pytest.skip("only Gemma3Processor reads image tokens off the tokenizer")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+    assert (tokenizer.boi_token, tokenizer.boi_token_id) == ("<start_of_image>", 49154)
+    assert (tokenizer.eoi_token, tokenizer.eoi_token_id) == ("<end_of_image>", 49155)
+    assert (tokenizer.image_token, tokenizer.image_token_id) == ("<image_soft_token>", 49156)
+
+
+def test_the_image_processor_is_the_pil_one(family: str, model_path: Path) -> None:
+    image_processor = transformers.AutoImageProcessor.from_pretrained(model_path)
+    assert type(image_processor).__name__.endswith("ImageProcessorPil")
+    out = image_processor(images=[blue_stripes()], return_tensors="np")
+    assert out["pixel_values"].shape[:2] == (1, 3)
+    assert max(out["pixel_values"].shape[2:]) == 32
+
+
+def processors(family: str, model_path: Path, vlm: tuple[Any, Any]) -> list[Any]:
+    """mlx-vlm's processor; AutoProcessor's, which is mlx-vlm's too once mlx-vlm
+    has patched AutoProcessor (importing its model modules does); and
+    transformers' own Gemma3Processor. (transformers' PixtralProcessor, which
+    mistral3 uses, requires torch and torchvision.)"""
+    found = [vlm[1], transformers.AutoProcessor.from_pretrained(model_path)]
+    if family == "gemma3":
+        found.append(transformers.Gemma3Processor.from_pretrained(model_path))
+    return found
+
+
+def test_the_processors_expand_an_image_into_image_tokens(
+    family: str, model_path: Path, vlm: tuple[Any, Any]
+) -> None:
+    for processor in processors(family, model_path, vlm):
+        ids, pixel_values, extras = process(processor, red())
+        assert contains(token_ids(ids), expected_image_ids(family, SIDE_TOKENS, SIDE_TOKENS)), type(
+            processor
+        )
+        assert token_ids(ids).count(TOKEN_IDS[family][image_token(family)]) == SIDE_TOKENS**2
+        assert pixel_values.shape == (1, 3, 32, 32)
+        if family == "mistral3":
+            assert np.array(extras["image_sizes"]).tolist() == [[32, 32]]
+
+
+# transformers' AutoProcessor before mlx-vlm patches it: the input ids of a
+# prompt with one image, or the error loading the processor.
+UNPATCHED_AUTO_PROCESSOR = """
+import json, sys
+from PIL import Image
+from transformers import AutoProcessor
+assert "mlx_vlm" not in sys.modules
+try:
+    processor = AutoProcessor.from_pretrained(sys.argv[1])
+except ImportError as error:
+    print(json.dumps({"error": str(error)}))
+    raise SystemExit
+prompt = processor.tokenizer.apply_chat_template(
+    json.loads(sys.argv[2]), add_generation_prompt=True, tokenize=False
+)
+out = processor(text=prompt, images=[Image.new("RGB", (48, 40))], return_tensors="np")
+print(json.dumps({
+    "processor": type(processor).__name__,
+    "image_processor": type(processor.image_processor).__name__,
+    "input_ids": out["input_ids"][0].tolist(),
+    "pixel_values": list(out["pixel_values"].shape),
+}))
+"""
+
+
+def test_transformers_own_auto_processor(family: str, model_path: Path) -> None:
+    """In a process without mlx-vlm: Gemma 3's loads and expands the image;
+    mistral3's (transformers' PixtralProcessor) needs torch, which exo lacks."""
+    run = subprocess.run(
+        [sys.executable, "-c", UNPATCHED_AUTO_PROCESSOR, str(model_path), json.dumps(QUESTION)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    if family == "mistral3":
+        assert "PixtralProcessor requires" in result["error"]
+        return
+    assert (result["processor"], result["image_processor"]) == (
+        "Gemma3Processor",
+        "Gemma3ImageProcessorPil",
+    )
+    assert contains(result["input_ids"], expected_image_ids(family, SIDE_TOKENS, SIDE_TOKENS))
+    assert result["pixel_values"] == [1, 3, 32, 32]
+
+
+@pytest.mark.parametrize("size", [(48, 40), (20, 50), (90, 30), (7, 7)])
+def test_the_image_tokens_are_as_many_as_the_image_features(
+    family: str, vlm: tuple[Any, Any], size: tuple[int, int]
+) -> None:
+    model, processor = vlm
+    ids, pixel_values, extras = process(processor, Image.new("RGB", size, (0, 128, 0)))
+    tokens = token_ids(ids).count(TOKEN_IDS[family][image_token(family)])
+    assert tokens == image_features(model, family, pixel_values, extras)
+    if family == "gemma3":
+        assert tokens == 16  # every image resized to 32 x 32
+    else:
+        height, width = (int(side) for side in np.array(extras["image_sizes"]).reshape(-1))
+        assert tokens == (height // 8) * (width // 8)
+        assert contains(token_ids(ids), expected_image_ids(family, height // 8, width // 8))
+
+
+def test_the_logits_depend_on_the_image(family: str, vlm: tuple[Any, Any]) -> None:
+    model, processor = vlm
+    first = vlm_last_logits(model, *process(processor, red()))
+    again = vlm_last_logits(model, *process(processor, red()))
+    other = vlm_last_logits(model, *process(processor, blue_stripes()))
+    assert mx.array_equal(first, again)
+    assert float(mx.abs(first - other).max()) > 1.0
+    assert int(first.argmax()) != int(other.argmax())
+
+
+def test_mlx_lm_given_mlx_vlm_s_embeddings_gives_mlx_vlm_s_logits(
+    family: str, model_path: Path, vlm: tuple[Any, Any]
+) -> None:
+    model, processor = vlm
+    text_model, _ = mlx_lm_load(str(model_path))
+    for image in (red(), blue_stripes()):
+        ids, pixel_values, extras = process(processor, image)
+        embeddings = merged_embeddings(model, ids, pixel_values, extras)
+        expected = vlm_last_logits(model, ids, pixel_values, extras)
+        logits = text_model(
+            ids, cache=make_prompt_cache(text_model), input_embeddings=mx.array(embeddings)
+        )[0, -1]
+        assert np.allclose(np.array(logits), np.array(expected), atol=1e-4, rtol=1e-4)
+
+
+def test_only_gemma3_scales_the_embeddings_it_is_given_in_place(
+    family: str, model_path: Path, vlm: tuple[Any, Any]
+) -> None:
+    """mlx-lm's and mlx-vlm's Gemma 3 language models do `h *= sqrt(hidden)`
+    on the embeddings array they are given, multiplying the caller's: a caller
+    that uses the embeddings again must pass a copy."""
+    model, processor = vlm
+    text_model, _ = mlx_lm_load(str(model_path))
+    ids, pixel_values, extras = process(processor, red())
+    scale = 8.0 if family == "gemma3" else 1.0  # sqrt(64)
+    for run in (
+        lambda embeddings: text_model(ids, input_embeddings=embeddings),
+        lambda embeddings: model.language_model(ids, inputs_embeds=embeddings),
+    ):
+        embeddings = merged_embeddings(model, ids, pixel_values, extras)
+        original = mx.array(embeddings)
+        mx.eval(run(embeddings))
+        assert mx.array_equal(embeddings, original * scale)
