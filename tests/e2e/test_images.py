@@ -20,6 +20,7 @@ from PIL import Image
 from exo.api.images import MAX_IMAGE_PIXELS
 from exo.models.builtin import DEFAULT_MODEL_ID
 from exo.models.store import model_dir
+from tests.e2e.lan_cluster import runner_pids
 from tests.e2e.node_process import NodeProcess, await_instance
 from tests.vision_models import VISION_FAMILIES, make_tiny_vision_model
 
@@ -51,6 +52,7 @@ def vision_models(node: NodeProcess, models_dir: Path, smollm_dir: Path) -> Iter
     """Both tiny vision models served by the shared node, for this module only."""
     placed: list[str] = []
     folders = [model_dir(models_dir, name) for name in MODELS.values()]
+    runners = set(runner_pids(node))
     try:
         for family, folder in zip(MODELS, folders, strict=True):
             make_tiny_vision_model(family, folder, smollm_dir)
@@ -71,10 +73,12 @@ def vision_models(node: NodeProcess, models_dir: Path, smollm_dir: Path) -> Iter
     finally:
         for instance_id in placed:
             httpx.delete(f"{node.base_url}/instance/{instance_id}", timeout=30)
+        # Left as found: the models' instances and runner processes gone.
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and set(MODELS.values()) & {
-            i["model_id"] for i in node.get("/state")["instances"].values()
-        }:
+        while time.monotonic() < deadline and (
+            set(MODELS.values()) & {i["model_id"] for i in node.get("/state")["instances"].values()}
+            or set(runner_pids(node)) != runners
+        ):
             time.sleep(0.2)
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)

@@ -84,6 +84,10 @@ def test_a_request_that_never_fits_gets_400_naming_the_largest_max_tokens(
     assert response.status_code == 400, response.text
     message = response.json()["error"]["message"]
     assert f"{figures.capacity} bytes" in message and "limit" in message
+    # A stream is refused alike, as a status: its answer begins once the runner took it.
+    streamed = post(node, chat(4000, stream=True))
+    assert streamed.status_code == 400, streamed.text
+    assert streamed.json()["error"]["message"] == message
     largest = re.search(r"the largest max_tokens that fits is (\d+)", message)
     assert largest is not None
     # It does fit, and is served; one more token would not have fit.

@@ -1,5 +1,5 @@
 """When a request lost before its first token runs again (`reply_retry`), and
-how a routed stream's answer waits for its first token (`from_first_token`).
+how a routed stream's answer waits for its first token (`held_until`).
 The runner here is a stand-in with a status: what is tested is the waiting."""
 
 import time
@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from exo.api.errors import APIError
-from exo.api.generation import from_first_token
+from exo.api.generation import held_until
 from exo.api.reply_retry import ReplyRetry, is_unanswered, lost_unanswered
 from exo.api.reply_stream import KeepAlive, ReplyEvent, TextPiece
 from exo.shared.types.ids import ModelId
@@ -111,7 +111,7 @@ async def test_a_routed_answer_begins_with_its_first_token() -> None:
         finally:
             closed.append(True)
 
-    events = await from_first_token(reply())
+    events = await held_until(reply())
     assert [e async for e in events] == [TextPiece(text="Hello"), TextPiece(text=" world")]
     assert closed == [True]
 
@@ -122,7 +122,7 @@ async def test_a_loss_before_the_first_token_is_raised_before_the_answer_begins(
         raise lost_unanswered("runner failed")
 
     with pytest.raises(APIError) as lost:
-        await from_first_token(reply())
+        await held_until(reply())
     assert is_unanswered(lost.value)
 
 
@@ -136,7 +136,7 @@ async def test_an_answer_left_after_its_first_token_closes_the_reply() -> None:
         finally:
             closed.append(True)
 
-    events = await from_first_token(reply())
+    events = await held_until(reply())
     assert await anext(events) == TextPiece(text="a")
     await events.aclose()  # its client went away
     assert closed == [True]

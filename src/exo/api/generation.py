@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
@@ -327,6 +327,8 @@ class _Run:
     # Streamed: each event goes to the client as it comes; else the reply is
     # sent whole, and its events are held until it finished.
     streamed: bool
+    # Set once the runner took the task (past its memory admission).
+    started: anyio.Event = field(default_factory=anyio.Event)
 
     async def events(self) -> AsyncGenerator[ReplyEvent]:
         ended: ReplyFinishReason | Literal["error", "cancelled"] = "cancelled"
@@ -407,6 +409,7 @@ class _Run:
                         case None:
                             yield KeepAlive()
                         case TaskText(text=text, logprobs=logprobs):
+                            self.started.set()
                             if self.observer is not None:
                                 self.observer.chunk()
                             output.append(text)
@@ -447,8 +450,10 @@ class _Run:
                             raise _RunnerLost(error)
                         case TaskFailed(error=error):
                             raise generation_failed(error)
-                        case _:
-                            pass  # prefill progress
+                        case _:  # prefill progress: the runner took the task
+                            if not self.started.is_set():
+                                self.started.set()
+                                yield KeepAlive()  # a stream's answer may begin
         except RunnerUnavailable as error:
             raise _RunnerLost(str(error)) from error
         raise generation_failed("the runner ended the task without a result")
@@ -574,7 +579,11 @@ async def prepare_reply(
     )
     events = run.events()
     if retry.routed and request.stream:
-        events = await from_first_token(events)
+        events = await held_until(events)
+    elif request.stream:
+        # The answer begins once the runner took the task: a request refused
+        # by its memory admission gets its 4xx/503 as a status.
+        events = await held_until(events, run.started.is_set)
     return PreparedReply(
         reply_id=uuid.uuid4().hex,
         model=model.model_id,
@@ -584,11 +593,14 @@ async def prepare_reply(
     )
 
 
-async def from_first_token(events: AsyncGenerator[ReplyEvent]) -> AsyncGenerator[ReplyEvent]:
-    """`events` once their first token came (keep-alives before it dropped):
-    a failure before it is raised here, while the answer has not begun."""
+async def held_until(
+    events: AsyncGenerator[ReplyEvent], ready: Callable[[], bool] = lambda: False
+) -> AsyncGenerator[ReplyEvent]:
+    """`events` once their first token came, or `ready()` held after a keep-alive
+    (keep-alives before either dropped): a failure before it is raised here,
+    while the answer has not begun."""
     first = await anext(events, None)
-    while isinstance(first, KeepAlive):
+    while isinstance(first, KeepAlive) and not ready():
         first = await anext(events, None)
 
     async def chained() -> AsyncGenerator[ReplyEvent]:

@@ -16,7 +16,7 @@ Where it runs again, within `seconds` of the loss (`--retry-seconds`):
 A stream answered by this node has sent its HTTP head already, so it can run
 again only here (this node's runner restarted, or the model placed here
 again); it fails once the model serves elsewhere. A relayed stream's serving
-node holds its head until the first token (`generation.from_first_token`), so
+node holds its head until the first token (`generation.held_until`), so
 the node that took it can send it anywhere.
 """
 

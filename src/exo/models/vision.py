@@ -136,9 +136,10 @@ class ImagePrompts:
 
 
 def image_prompts_for(
-    model_dir: Path, model: str, tokenizer: ChatTokenizer, split: bool
+    model_dir: Path, model: str, tokenizer: ChatTokenizer, sharding: str | None
 ) -> ImagePrompts | str:
-    """What reads a served model's images, or why it cannot take any."""
+    """What reads a served model's images, or why it cannot take any.
+    `sharding`: how its instance is split ("pipeline", "tensor"; None: whole)."""
     config = json.loads((model_dir / "config.json").read_text())
     if "vision_config" not in config:
         return f"{model} reads text only: it has no vision tower"
@@ -147,10 +148,10 @@ def image_prompts_for(
         return (
             f"{model} has a vision tower, but exo gives images only to these families: {families}"
         )
-    if split:
+    if sharding == "tensor":
         return (
-            f"{model} is split across nodes, and a split instance reads text only; "
-            "place it on one node to send it images"
+            f"{model} is split by tensors, and a tensor-split instance reads text only; "
+            "place it whole or split by layers (pipeline) to send it images"
         )
     try:
         return ImagePrompts(model_dir, tokenizer)

@@ -431,7 +431,11 @@ class Worker:
                 max_token_bytes=await anyio.to_thread.run_sync(longest_token_bytes, tokenizer),
                 sampling_defaults=read_sampling_defaults(path),
                 images=await anyio.to_thread.run_sync(
-                    image_prompts_for, path, instance.model_id, tokenizer, len(instance.ranks) > 1
+                    image_prompts_for,
+                    path,
+                    instance.model_id,
+                    tokenizer,
+                    instance.sharding if len(instance.ranks) > 1 else None,
                 ),
             )
         except Exception as error:

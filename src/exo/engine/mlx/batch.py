@@ -72,7 +72,7 @@ from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, needs_checkpo
 from exo.engine.mlx.sampling import PendingToken, SampledToken, SamplingStep, greedy_rows
 from exo.engine.mlx.vision import ImagePrompt
 from exo.engine.speculation import Draft, Drafter, verify_width
-from exo.shared.prompt_images import PromptImage
+from exo.shared.prompt_images import PromptImage, is_image_key
 from exo.shared.types.tasks import GenerationParams
 
 # How many requests decode together at most (the node's admission control
@@ -155,7 +155,9 @@ class _Request:
     # Its caches cannot be cut back: its prompt is read on its own (with the
     # system prompt's checkpoint) and a checkpoint stored before its reply.
     checkpoints: bool
-    images: ImagePrompt | None  # its prompt's, read as embeddings on its own
+    # Its prompt's images, read as embeddings (where this rank reads them); a
+    # prompt with images is read on its own on every rank.
+    images: ImagePrompt | None
     read: int = 0  # prompt tokens in its cache (restored or prefilled)
     generated: list[int] = field(default_factory=list[int])
     # In the batch: the token its next decode step feeds in, and the token drawn
@@ -234,7 +236,7 @@ class ContinuousBatcher:
         generator = self._generator
         match, layers = generator.start(tokens, params)
         prompt = generator.image_prompt(tokens, images)
-        ids = prompt.ids if prompt is not None else tokens
+        ids = prompt.ids if prompt is not None else generator.model_ids(tokens)
         drafter = (
             Drafter(ids, params.prediction) if self._speculate and params.speculation else None
         )
@@ -332,7 +334,7 @@ class ContinuousBatcher:
         room, total = self.max_batch - len(self._rows), 0
         for request in self._reading:
             rest = len(request.tokens) - 1 - request.read
-            alone = request.checkpoints or request.images is not None
+            alone = request.checkpoints or any(map(is_image_key, request.tokens))
             if len(group) == room or alone or total + rest > budget:
                 break
             group.append(request)

@@ -45,7 +45,7 @@ from exo.engine.mlx.sampling import PendingToken, SampledToken, SamplingStep
 from exo.engine.mlx.vision import ImagePrompt, VisionEncoder
 from exo.engine.speculation import SpeculationStats
 from exo.engine.stop_sequences import StopMatcher
-from exo.shared.prompt_images import PromptImage, is_image_key
+from exo.shared.prompt_images import PromptImage, is_image_key, model_ids
 from exo.shared.types.tasks import FinishReason, GenerationParams, SampledLogprob, Usage
 
 PREFILL_STEP_TOKENS = 512
@@ -186,14 +186,19 @@ class TextGenerator:
         prefix_cache: KVPrefixCache | None,
         prefill_step_tokens: int = PREFILL_STEP_TOKENS,
         vision: VisionEncoder | None = None,
+        image_placeholder: int | None = None,
     ) -> None:
-        """`vision`: a vision model's image side; without it a request with
-        images fails."""
+        """`vision`: a vision model's image side, where this process reads the
+        prompt's images (whole model, a pipeline's first rank); without it a
+        request with images fails. `image_placeholder`: a vision model's image
+        token, which other ranks read its prompts' image keys as
+        (`model_ids`)."""
         self.forward = forward
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self.prefill_step_tokens = prefill_step_tokens
         self.vision = vision
+        self.image_placeholder = vision.placeholder if vision else image_placeholder
 
     def generate(
         self,
@@ -206,7 +211,7 @@ class TextGenerator:
     ) -> Iterator[GenerationOutput]:
         match, layers = self.start(tokens, params)
         prompt = self.image_prompt(tokens, images)
-        with self.forward.request(prompt.ids if prompt else tokens, params):
+        with self.forward.request(prompt.ids if prompt else self.model_ids(tokens), params):
             chunks = self.prefill_chunks(
                 tokens[:-1],
                 match.usable,
@@ -256,6 +261,13 @@ class TextGenerator:
         if self.vision is None:
             raise ValueError("this model reads text only: it was loaded without a vision tower")
         return ImagePrompt(self.vision, tokens, images)
+
+    def model_ids(self, tokens: Sequence[int]) -> Sequence[int]:
+        """The ids the model reads for `tokens` (what sampling penalizes and
+        drafts come from): a prompt's image keys as the image token."""
+        if self.image_placeholder is None or not any(map(is_image_key, tokens)):
+            return tokens
+        return model_ids(tokens, self.image_placeholder)
 
     def checkpoint_at(self, system_prompt_length: int, layers: list[LayerCache]) -> int:
         """Where prefill stores a checkpoint: the system prompt's end, for caches

@@ -131,8 +131,6 @@ class LockstepBatch:
         system_prompt_length: int = 0,
         images: Sequence[PromptImage] = (),
     ) -> PromptProgress | None:
-        if images:  # the node refuses them first (`models/vision.py`)
-            raise ValueError("a split instance reads text only")
         if params.seed is None:
             params = params.model_copy(update={"seed": secrets.randbits(_SEED_BITS)})
         cache = self._inner.prefix_cache
@@ -146,7 +144,9 @@ class LockstepBatch:
         )
         self._link.send(*json_message(Op.ADD, task))
         try:
-            progress = self._inner.add(task_id, tokens, params, system_prompt_length)
+            # Images are read by this rank alone (a pipeline's first): the
+            # others' prompts hold their keys only.
+            progress = self._inner.add(task_id, tokens, params, system_prompt_length, images)
         except Exception:
             self._link.send(Header(Op.ADDED, flag=0))
             raise

@@ -58,7 +58,13 @@ class PipelineStage(nn.Module):
     def make_cache(self) -> list[LayerCache]:
         return [*self._shard.make_cache(), KVCache()]
 
-    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
+        input_embeddings: mx.array | None = None,
+    ) -> mx.array:
+        """`input_embeddings`: on the first rank, a prompt with images as it reads."""
         link, shard = self._link, self._shard
         if cache is None:
             raise PipelineError("a pipeline stage runs on its caches")
@@ -66,7 +72,7 @@ class PipelineStage(nn.Module):
         rows, tokens = inputs.shape[:2]
         counter.update_and_fetch(*[mx.zeros((rows, 1, tokens, 1))] * 2)
         if link.rank == 0:
-            out = shard.run(inputs, cache)
+            out = shard.run(inputs, cache, input_embeddings)
         else:
             _, hidden = link.expect(Op.FORWARD, STEP_SECONDS)
             if hidden is None or hidden.shape[:2] != inputs.shape[:2]:

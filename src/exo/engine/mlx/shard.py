@@ -221,10 +221,13 @@ class ShardModel:
         """Empty caches for this rank's layers."""
         return [copy.deepcopy(self._layout.template[i]) for i in self._layout.owned]
 
-    def run(self, inputs: mx.array, cache: list[LayerCache]) -> mx.array:
-        """Token ids (first rank) or the previous rank's hidden states -> this
-        rank's output: hidden states for the next rank, or the logits (last rank).
-        Appends to `cache` (this rank's layers' caches)."""
+    def run(
+        self, inputs: mx.array, cache: list[LayerCache], input_embeddings: mx.array | None = None
+    ) -> mx.array:
+        """Token ids (first rank; or their `input_embeddings`, a prompt with
+        images) or the previous rank's hidden states -> this rank's output:
+        hidden states for the next rank, or the logits (last rank). Appends to
+        `cache` (this rank's layers' caches)."""
         layout = self._layout
         full: list[Any] = [None] * len(layout.template)
         for index, own in zip(layout.owned, cache, strict=True):
@@ -236,8 +239,9 @@ class ShardModel:
         else:
             ids = mx.zeros(inputs.shape[:2], dtype=mx.int32)
             object.__setattr__(self._entry, "_hidden", inputs)
+        embedded = {} if input_embeddings is None else {"input_embeddings": input_embeddings}
         try:
-            return self.model(ids, cache=full)
+            return self.model(ids, cache=full, **embedded)
         except _SliceEnd as end:
             if not isinstance(end.hidden, mx.array):
                 raise UnsupportedShard("its layers hand on more than one array") from None

@@ -23,6 +23,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from PIL import Image
 
 from exo.engine.mlx.load import prepare_for_backend
@@ -37,8 +38,10 @@ from exo.shared.prompt_images import (
 _VISION_WEIGHTS = ("vision_tower", "multi_modal_projector")
 
 
-def is_vision_model(model_dir: Path) -> bool:
-    return vision_family(json.loads((model_dir / "config.json").read_text())) is not None
+def vision_placeholder(model_dir: Path) -> int | None:
+    """A vision model's image token (None: a model exo gives no images to)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return image_placeholder(config) if vision_family(config) is not None else None
 
 
 def _as_mx(value: Any) -> Any:
@@ -83,6 +86,11 @@ class VisionEncoder:
         # mlx-vlm's processor (its model modules, imported above, register their
         # own with transformers): the pixels exactly as mlx-vlm feeds them.
         self._processor: Any = load_processor(model_dir, add_detokenizer=False)
+        parameters = cast(list[tuple[str, mx.array]], tree_flatten(self._vlm.parameters()))
+        # What it holds beside the language model (the shared embedding is that's).
+        self.nbytes = sum(
+            array.nbytes for name, array in parameters if name.startswith(_VISION_WEIGHTS)
+        )
 
     def text(self, ids: Sequence[int]) -> mx.array:
         """Token embeddings of `ids` (no image in them)."""

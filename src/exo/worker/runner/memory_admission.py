@@ -316,9 +316,12 @@ def weights_nbytes(model: nn.Module) -> int:
     return sum(array.nbytes for _, array in parameters)
 
 
-def memory_gate(model: nn.Module, model_dir: Path, settings: MemorySettings) -> MemoryGate | None:
-    """The gate of a runner holding the whole `model` (loaded from `model_dir`);
-    None, with a warning, when the model's folder gives no card to predict from."""
+def memory_gate(
+    model: nn.Module, model_dir: Path, settings: MemorySettings, other_weights: int = 0
+) -> MemoryGate | None:
+    """The gate of a runner holding the whole `model` (loaded from `model_dir`)
+    and `other_weights` bytes beside it (a vision tower); None, with a warning,
+    when the model's folder gives no card to predict from."""
     try:
         card = card_from_folder(ModelId(model_dir.name), model_dir)
     except ModelCardError as error:
@@ -329,7 +332,7 @@ def memory_gate(model: nn.Module, model_dir: Path, settings: MemorySettings) -> 
     gate = MemoryGate(
         kv_of,
         limit=limit,
-        weights=weights_nbytes(model),
+        weights=weights_nbytes(model) + other_weights,
         wait_seconds=settings.wait_seconds,
     )
     logger.info(

@@ -48,6 +48,7 @@ from exo.engine.mlx.ring_agreements import (
 )
 from exo.engine.mlx.shard import load_shard
 from exo.engine.mlx.tensor import load_tensor_rank
+from exo.engine.mlx.vision import VisionEncoder, vision_placeholder
 from exo.engine.mlx.warm_up import warm_up
 from exo.shared.types.shard import LayerRange
 from exo.worker.runner.cache_policy import may_persist, memory_pressure
@@ -65,6 +66,10 @@ class _Rank:
     cache: KVPrefixCache | None
     # Every layer's caches, empty: what they can do is decided alike on every rank.
     whole_caches: list[LayerCache]
+    # A vision model's image side (a pipeline's first rank reads the images) and
+    # image token (every rank reads image keys as it).
+    vision: VisionEncoder | None = None
+    image_placeholder: int | None = None
 
 
 def serve_split_rank(
@@ -105,6 +110,7 @@ def _join(
     )
     configure_kernel_threads(pipeline_rank=True)  # before loading, which starts the threads
     tokenizer = load_model_tokenizer(model_dir)
+    vision, placeholder = None, vision_placeholder(model_dir)
     if tensor:
         local = LocalModel(load_tensor_rank(model_dir, link.group), tokenizer)
         whole_caches = local.make_cache()  # every rank holds every layer's kind
@@ -114,6 +120,8 @@ def _join(
         local = LocalModel(PipelineStage(shard, link), tokenizer, lambda step: RingDraw(step, link))
         whole_caches = shard.whole_model_caches()
         namespace = cache_namespace(model_dir, layers)
+        if placeholder is not None and link.rank == 0:
+            vision = VisionEncoder(model_dir, shard.model)
     local.eager_rows = LOCKSTEP_EAGER_ROWS
     logger.info(
         f"loaded {'a slice of every layer' if tensor else layers} (peak "
@@ -141,7 +149,7 @@ def _join(
     elif cache is not None and tier is not None:
         logger.warning(f"prefix cache: another {kind} rank keeps no disk tier: none is used")
         cache.detach_disk()
-    return _Rank(link, local, cache, whole_caches)
+    return _Rank(link, local, cache, whole_caches, vision, placeholder)
 
 
 def _batch(
@@ -150,7 +158,13 @@ def _batch(
     on_progress: Callable[[str, int, int], None] = lambda task_id, done, total: None,
 ) -> Batch:
     """The same kind of batch on every rank: continuous where the caches batch."""
-    generator = TextGenerator(rank.local, rank.local.tokenizer, rank.cache)
+    generator = TextGenerator(
+        rank.local,
+        rank.local.tokenizer,
+        rank.cache,
+        vision=rank.vision,
+        image_placeholder=rank.image_placeholder,
+    )
     if can_batch(rank.whole_caches):
         return ContinuousBatcher.for_caches(generator, rank.whole_caches)
     logger.info("this model's caches do not batch: requests are served one at a time")

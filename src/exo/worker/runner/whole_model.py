@@ -14,7 +14,7 @@ from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.one_at_a_time import OneAtATime
 from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache
 from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
-from exo.engine.mlx.vision import VisionEncoder, is_vision_model
+from exo.engine.mlx.vision import VisionEncoder, vision_placeholder
 from exo.engine.mlx.warm_up import warm_up
 from exo.worker.runner.cache_policy import may_persist, memory_pressure
 from exo.worker.runner.inbox import StopRequested
@@ -51,10 +51,11 @@ def serve_whole_model(
         f"loaded the model in {loaded - started:.1f}s, warmed it up in "
         f"{time.monotonic() - loaded:.1f}s"
     )
-    vision = VisionEncoder(model_dir, model) if is_vision_model(model_dir) else None
+    vision = VisionEncoder(model_dir, model) if vision_placeholder(model_dir) else None
     batch = _batch(runner, TextGenerator(local, tokenizer, cache, vision=vision), caches)
     if memory is not None:
-        runner.memory = memory_gate(model, model_dir, memory)
+        vision_bytes = vision.nbytes if vision is not None else 0
+        runner.memory = memory_gate(model, model_dir, memory, vision_bytes)
     runner.ready(cache)
     try:
         runner.serve(batch, keep_alive=lambda: _persist_while_idle(runner, cache))
