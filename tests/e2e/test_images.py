@@ -20,6 +20,7 @@ from PIL import Image
 from exo.api.images import MAX_IMAGE_PIXELS
 from exo.models.builtin import DEFAULT_MODEL_ID
 from exo.models.store import model_dir
+from exo.shared.types.ids import ModelId
 from tests.e2e.lan_cluster import runner_pids
 from tests.e2e.node_process import NodeProcess, await_instance
 from tests.vision_models import VISION_FAMILIES, make_tiny_vision_model
@@ -51,7 +52,7 @@ def data_url(png: bytes) -> str:
 def vision_models(node: NodeProcess, models_dir: Path, smollm_dir: Path) -> Iterator[None]:
     """Both tiny vision models served by the shared node, for this module only."""
     placed: list[str] = []
-    folders = [model_dir(models_dir, name) for name in MODELS.values()]
+    folders = [model_dir(models_dir, ModelId(name)) for name in MODELS.values()]
     runners = set(runner_pids(node))
     try:
         for family, folder in zip(MODELS, folders, strict=True):
@@ -212,7 +213,7 @@ def test_the_next_turn_reads_the_image_from_the_cache(node: NodeProcess, family:
     )
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     # The whole first prompt, its image included, came from the cache.
-    assert second.usage.prompt_tokens_details.cached_tokens >= turn.usage.prompt_tokens - 1
+    assert (second.usage.prompt_tokens_details.cached_tokens or 0) >= turn.usage.prompt_tokens - 1
 
     # The same conversation with another picture misses at the image, and says so.
     swapped = [
@@ -229,7 +230,8 @@ def test_the_next_turn_reads_the_image_from_the_cache(node: NodeProcess, family:
         model=model, max_tokens=6, temperature=0, messages=swapped
     )
     assert third.usage is not None and third.usage.prompt_tokens_details is not None
-    assert third.usage.prompt_tokens_details.cached_tokens < turn.usage.prompt_tokens - image_tokens
+    cached = third.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached < turn.usage.prompt_tokens - image_tokens
     reasons = [miss["reason"] for miss in cache_stats(node, model)["recent_misses"]]
     assert reasons[-1] == "image_changed", cache_stats(node, model)["recent_misses"]
 

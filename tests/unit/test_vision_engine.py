@@ -7,6 +7,7 @@ import io
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -195,7 +196,9 @@ def test_the_prompt_and_its_embeddings_are_those_mlx_vlm_makes(setup: VisionSetu
     merge over the whole prompt."""
     from mlx_vlm.utils import load as load_vlm
 
-    vlm, processor = load_vlm(str(setup.model_dir))
+    loaded_vlm, loaded = load_vlm(str(setup.model_dir))
+    vlm: Any = loaded_vlm
+    processor: Any = loaded  # mlx-vlm's processor: its own keyword arguments
     data = png("noise", (50, 20))  # not square: the Pixtral grid has unequal sides
     turn = asking(data, "Describe it.")
     prompt = setup.prompt([turn])
@@ -223,5 +226,5 @@ def test_the_prompt_and_its_embeddings_are_those_mlx_vlm_makes(setup: VisionSetu
         input_ids=mx.array([theirs]), pixel_values=pixel_values, mask=mask, **extras
     ).inputs_embeds
     ours = ImagePrompt(setup.vision, prompt.tokens, prompt.images).embeddings(0, len(theirs))
-    assert ours is not None
+    assert ours is not None and expected is not None
     assert np.allclose(np.array(ours), np.array(expected), atol=1e-5)
