@@ -10,8 +10,6 @@ hands the language model the all-ones 4-D mask `get_input_embeddings` returns,
 which MLX adds to the attention scores: no causal mask, no sliding window.)"""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -272,48 +270,6 @@ def test_the_processors_expand_an_image_into_image_tokens(
 
 # transformers' AutoProcessor before mlx-vlm patches it: the input ids of a
 # prompt with one image, or the error loading the processor.
-UNPATCHED_AUTO_PROCESSOR = """
-import json, sys
-from PIL import Image
-from transformers import AutoProcessor
-assert "mlx_vlm" not in sys.modules
-try:
-    processor = AutoProcessor.from_pretrained(sys.argv[1])
-except ImportError as error:
-    print(json.dumps({"error": str(error)}))
-    raise SystemExit
-prompt = processor.tokenizer.apply_chat_template(
-    json.loads(sys.argv[2]), add_generation_prompt=True, tokenize=False
-)
-out = processor(text=prompt, images=[Image.new("RGB", (48, 40))], return_tensors="np")
-print(json.dumps({
-    "processor": type(processor).__name__,
-    "image_processor": type(processor.image_processor).__name__,
-    "input_ids": out["input_ids"][0].tolist(),
-    "pixel_values": list(out["pixel_values"].shape),
-}))
-"""
-
-
-def test_transformers_own_auto_processor(family: str, model_path: Path) -> None:
-    """In a process without mlx-vlm: Gemma 3's loads and expands the image;
-    mistral3's (transformers' PixtralProcessor) needs torch, which exo lacks."""
-    run = subprocess.run(
-        [sys.executable, "-c", UNPATCHED_AUTO_PROCESSOR, str(model_path), json.dumps(QUESTION)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    if family == "mistral3":
-        assert "PixtralProcessor requires" in result["error"]
-        return
-    assert (result["processor"], result["image_processor"]) == (
-        "Gemma3Processor",
-        "Gemma3ImageProcessorPil",
-    )
-    assert contains(result["input_ids"], expected_image_ids(family, SIDE_TOKENS, SIDE_TOKENS))
-    assert result["pixel_values"] == [1, 3, 32, 32]
 
 
 @pytest.mark.parametrize("size", [(48, 40), (20, 50), (90, 30), (7, 7)])

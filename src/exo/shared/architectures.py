@@ -62,7 +62,9 @@ def loadable_whole(architecture: str) -> bool:
     return _module_path(architecture) is not None
 
 
-@functools.cache
+# The few trees one answer reads, not every one ever parsed: a module's tree
+# takes megabytes, and a master asks again whenever it places a model.
+@functools.lru_cache(maxsize=16)
 def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text())
 
@@ -151,6 +153,7 @@ def _layer_calls_hand_on_more(path: Path) -> bool:
     return False
 
 
+@functools.cache  # answers are small; the trees behind them are not kept
 def pipeline_refusal(architecture: str) -> str | None:
     """Why exo cannot split `architecture` into pipeline ranks; None when it can."""
     path = _module_path(architecture)
@@ -191,6 +194,7 @@ def _defines(path: Path, name: str, method: str, depth: int = 0) -> bool:
     )
 
 
+@functools.cache
 def tensor_refusal(architecture: str) -> str | None:
     """Why exo cannot split `architecture` by tensors; None when it can."""
     path = _module_path(architecture)
