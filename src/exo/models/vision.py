@@ -142,7 +142,7 @@ def image_prompts_for(
     `sharding`: how its instance is split ("pipeline", "tensor"; None: whole)."""
     config = json.loads((model_dir / "config.json").read_text())
     if "vision_config" not in config:
-        return f"{model} reads text only: it has no vision tower"
+        return f"{model} reads text only (it has no vision tower): send it no images"
     if vision_family(config) is None:
         families = ", ".join(VISION_FAMILIES.values())
         return (
