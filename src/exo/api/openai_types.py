@@ -33,6 +33,7 @@ from exo.api.request_fields import (
     image_from_url,
     reject_non_function_choice,
     reject_repeated_names,
+    text_with_images,
     unsupported,
 )
 from exo.shared.types.chat import RESERVED_TEMPLATE_KWARGS, ChatImage, ReasoningEffort
@@ -106,17 +107,10 @@ def user_content(content: str | list[UserPart]) -> tuple[str, tuple[ChatImage, .
     at the length of the text before it."""
     if isinstance(content, str):
         return content, ()
-    texts: list[str] = []
-    length = 0
-    images: list[ChatImage] = []
-    for part in content:
-        if isinstance(part, ImagePart):
-            image = image_from_url(part.image_url.url)
-            images.append(image.model_copy(update={"offset": length}))
-        else:
-            texts.append(part.text)
-            length += len(part.text)
-    return "".join(texts), tuple(images)
+    return text_with_images(
+        image_from_url(part.image_url.url) if isinstance(part, ImagePart) else part.text
+        for part in content
+    )
 
 
 class SystemMessageParam(FrozenModel):

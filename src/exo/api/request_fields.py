@@ -157,6 +157,21 @@ def image_from_url(url: str) -> ChatImage:
     raise unsupported(f"an image URL must be a base64 data URL or an http(s) URL, not {shown!r}")
 
 
+def text_with_images(pieces: Iterable[str | ChatImage]) -> tuple[str, tuple[ChatImage, ...]]:
+    """A message's text pieces joined, and its images, each at the length of
+    the text before it (`ChatImage.offset`)."""
+    texts: list[str] = []
+    images: list[ChatImage] = []
+    length = 0
+    for piece in pieces:
+        if isinstance(piece, ChatImage):
+            images.append(piece.model_copy(update={"offset": length}))
+        else:
+            texts.append(piece)
+            length += len(piece)
+    return "".join(texts), tuple(images)
+
+
 def check_raw_image(reference: object, where: str, base64_only: bool = False) -> None:
     """An image of the raw body (a data or http(s) URL; base64 when
     `base64_only`), checked before validation: past a `str | list` content

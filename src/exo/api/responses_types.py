@@ -28,6 +28,7 @@ from exo.api.request_fields import (
     image_from_url,
     reject_non_function_choice,
     reject_repeated_names,
+    text_with_images,
     unsupported,
 )
 from exo.shared.types.chat import ChatImage, ReasoningEffort
@@ -122,16 +123,10 @@ def user_content(content: str | list[ContentPart]) -> tuple[str, tuple[ChatImage
     at the length of the text before it."""
     if isinstance(content, str):
         return content, ()
-    texts: list[str] = []
-    length = 0
-    images: list[ChatImage] = []
-    for part in content:
-        if isinstance(part, InputImagePart):
-            images.append(image_from_url(part.image_url).model_copy(update={"offset": length}))
-            continue
-        texts.append(_part_text(part))
-        length += len(texts[-1])
-    return "".join(texts), tuple(images)
+    return text_with_images(
+        image_from_url(part.image_url) if isinstance(part, InputImagePart) else _part_text(part)
+        for part in content
+    )
 
 
 class MessageItem(FrozenModel):
