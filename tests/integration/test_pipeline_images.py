@@ -1,6 +1,7 @@
 """A vision model split by layers reads images on its first rank: real runner
 processes on a loopback ring answer a prompt with an image as one runner does,
-and the next turn finds the image in every rank's prefix cache."""
+and the next turn finds the image in every rank's prefix cache (and, where
+images shift the positions of the text after them, its position deltas)."""
 
 import io
 from pathlib import Path
@@ -53,8 +54,13 @@ def generate(runner: RunnerProcess, task_id: str, asked: ChatPrompt) -> tuple[st
     return result.text, result.finished.usage
 
 
-def test_a_pipeline_reads_images_on_its_first_rank(tmp_path: Path, smollm_dir: Path) -> None:
-    model_dir = make_tiny_vision_model("gemma3", tmp_path / "tiny-vision", smollm_dir)
+# Gemma 3: 1-D positions; Qwen3-VL: 2-D ones (every rank computes them) and
+# deepstack features added on the first rank.
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_vl"])
+def test_a_pipeline_reads_images_on_its_first_rank(
+    tmp_path: Path, smollm_dir: Path, family: str
+) -> None:
+    model_dir = make_tiny_vision_model(family, tmp_path / "tiny-vision", smollm_dir)
     asking = ChatTurn(
         role="user", content="What is it?", images=(ChatImage(data=png((200, 30, 30))),)
     )

@@ -1,11 +1,17 @@
 import ctypes.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from exo.worker.runner.blas import openblas_library, runner_environment
+from exo.worker.runner.blas import (
+    openblas_library,
+    openblas_runs,
+    runner_environment,
+    usable_openblas,
+)
 
 PROBE = """
 import mlx.core as mx
@@ -19,15 +25,31 @@ print(any("libopenblas" in line for line in open("/proc/self/maps")))
     not sys.platform.startswith("linux"), reason="OpenBLAS is preloaded on Linux only"
 )
 def test_runner_environment_preloads_a_working_openblas(tmp_path: Path) -> None:
-    library = openblas_library()
-    assert library is not None and library.exists()
+    wheel = openblas_library()
+    assert wheel is not None and wheel.exists()
     env = runner_environment(tmp_path, base={"PATH": "/usr/bin:/bin"})
-    assert env["LD_PRELOAD"].split(":")[0] == str(library)
+    library = usable_openblas(env.get("LD_LIBRARY_PATH", ""))
+    if library is None:
+        pytest.skip("no OpenBLAS runs on this machine (the wheel's needs AVX-512)")
+    assert env["LD_PRELOAD"].split(":")[0] == library
     result = subprocess.run(
         [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="OpenBLAS is preloaded on Linux only"
+)
+def test_a_library_that_fails_its_product_is_never_preloaded(tmp_path: Path) -> None:
+    """A library the check cannot run (here: not a library; on CPUs without
+    AVX-512: the wheel's, killed by SIGILL) is not used, the next one is."""
+    fake = tmp_path / "libopenblas.so.0"
+    fake.write_bytes(b"not a library")
+    assert not openblas_runs(str(fake), "")
+    chosen = usable_openblas("")
+    assert chosen is None or openblas_runs(chosen, "")
 
 
 def test_runner_environment_keeps_other_preloads(tmp_path: Path) -> None:
@@ -48,8 +70,10 @@ print(loaded, any("libopenblas" in line for line in open("/proc/self/maps")))
 
 
 @pytest.mark.skipif(
-    not sys.platform.startswith("linux") or ctypes.util.find_library("gfortran") is None,
-    reason="needs Linux and a system libgfortran.so.5",
+    not sys.platform.startswith("linux")
+    or ctypes.util.find_library("gfortran") is None
+    or usable_openblas(os.environ.get("LD_LIBRARY_PATH", "")) is None,
+    reason="needs Linux, a system libgfortran.so.5 and an OpenBLAS that runs here",
 )
 @pytest.mark.parametrize(
     ("before", "expected"),

@@ -4,7 +4,8 @@ the image, the prefix cache keys images by their pixels, and requests with
 images batch with text-only ones."""
 
 import io
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.utils import load_config
 from PIL import Image
 
 from exo.api.chat_prompt import ChatPrompt, render_prompt
@@ -19,15 +21,16 @@ from exo.api.images import decode_image
 from exo.engine.mlx.batch import ContinuousBatcher, GenerationFailed
 from exo.engine.mlx.generate import Finished, LocalModel, TextDelta, TextGenerator
 from exo.engine.mlx.load import load_for_inference
+from exo.engine.mlx.multimodal_rope import with_multimodal_rope
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.engine.mlx.vision import ImagePrompt, VisionEncoder
 from exo.models.chat_tokenizer import ChatTokenizer, load_chat_tokenizer
-from exo.models.vision import ImagePrompts, Picture
-from exo.shared.prompt_images import is_image_key, model_ids
+from exo.models.vision import ImagePrompts, Picture, image_prompts_for
+from exo.shared.prompt_images import GRID_FAMILIES, IMAGE_MARKERS, is_image_key, model_ids
 from exo.shared.types.chat import ChatImage, ChatRequest, ChatTurn
 from exo.shared.types.tasks import GenerationParams, Usage
 from tests.batch_drain import drain
-from tests.vision_models import VISION_FAMILIES, make_tiny_vision_model
+from tests.vision_models import MORE_VISION_FAMILIES, VISION_FAMILIES, make_tiny_vision_model
 
 
 def png(kind: str, size: tuple[int, int] = (40, 32)) -> bytes:
@@ -70,16 +73,27 @@ class VisionSetup:
 @pytest.fixture(scope="module", params=VISION_FAMILIES)
 def setup(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path
-) -> Iterator[VisionSetup]:
-    family: str = request.param
+) -> VisionSetup:
+    return _setup(request.param, tmp_path_factory, smollm_dir)
+
+
+@pytest.fixture(scope="module", params=MORE_VISION_FAMILIES)
+def more_setup(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path
+) -> VisionSetup:
+    """Families tested for their logits only (their paths are the others')."""
+    return _setup(request.param, tmp_path_factory, smollm_dir)
+
+
+def _setup(family: str, tmp_path_factory: pytest.TempPathFactory, smollm_dir: Path) -> VisionSetup:
     model_dir = make_tiny_vision_model(family, tmp_path_factory.mktemp(family) / family, smollm_dir)
     model, tokenizer = load_for_inference(model_dir)
     chat_tokenizer = load_chat_tokenizer(model_dir)
-    yield VisionSetup(
+    return VisionSetup(
         model_dir,
         chat_tokenizer,
         ImagePrompts(model_dir, chat_tokenizer),
-        LocalModel(model, tokenizer),
+        LocalModel(with_multimodal_rope(model, load_config(model_dir)), tokenizer),
         VisionEncoder(model_dir, model),
     )
 
@@ -225,6 +239,100 @@ def test_the_prompt_and_its_embeddings_are_those_mlx_vlm_makes(setup: VisionSetu
     expected = vlm.get_input_embeddings(
         input_ids=mx.array([theirs]), pixel_values=pixel_values, mask=mask, **extras
     ).inputs_embeds
-    ours = ImagePrompt(setup.vision, prompt.tokens, prompt.images).embeddings(0, len(theirs))
+    ours = ImagePrompt(
+        prompt.tokens, prompt.images, setup.vision.placeholder, setup.vision
+    ).embeddings(0, len(theirs))
     assert ours is not None and expected is not None
     assert np.allclose(np.array(ours), np.array(expected), atol=1e-5)
+
+
+def test_the_next_turn_from_the_cache_replies_as_without_it(setup: VisionSetup) -> None:
+    """The cache restores the image's tokens and, where images shift the
+    positions of the text after them (M-RoPE), their deltas too."""
+    cache = KVPrefixCache(64 * 1024 * 1024, decode=setup.local.tokenizer.decode)
+    first_turn = [asking(png("noise", (48, 24)), "One.")]
+    answer, _ = reply(setup.generator(cache), setup.prompt(first_turn))
+    turns = [*first_turn, ChatTurn(role="assistant", content=answer)]
+    second = setup.prompt([*turns, asking(png("stripes"), "Two?")])
+    cached, usage = reply(setup.generator(cache), second)
+    assert usage.cached_tokens > second.images[0].end
+    fresh, usage = reply(setup.generator(), second)
+    assert usage.cached_tokens == 0
+    assert cached == fresh
+
+
+def test_the_logits_are_mlx_vlms_for_images_in_two_dimensions(setup: VisionSetup) -> None:
+    """Families that place image tokens in 2-D (M-RoPE): the prompt read in
+    chunks that cut through its images gives the logits mlx-vlm's whole model
+    gives (its positions computed over the whole prompt; Qwen3-VL's deepstack
+    features added)."""
+    if setup.prompts.family not in GRID_FAMILIES:
+        pytest.skip("1-D positions: test_vision_models compares the logits")
+    _assert_logits_are_mlx_vlms(setup)
+
+
+def test_the_logits_are_mlx_vlms_in_more_families(more_setup: VisionSetup) -> None:
+    """Qwen2-VL and Qwen3-VL MoE, as above."""
+    _assert_logits_are_mlx_vlms(more_setup)
+
+
+def _assert_logits_are_mlx_vlms(setup: VisionSetup) -> None:
+    from mlx_vlm.utils import load as load_vlm
+
+    loaded_vlm, loaded = load_vlm(str(setup.model_dir))
+    vlm: Any = loaded_vlm
+    processor: Any = loaded
+    pictures = [png("noise", (50, 20)), png("stripes", (24, 40))]
+    turn = ChatTurn(
+        role="user",
+        content="Compare this and that.",
+        images=(ChatImage(offset=8, data=pictures[0]), ChatImage(offset=17, data=pictures[1])),
+    )
+    prompt = setup.prompt([turn])
+    ids = model_ids(prompt.tokens, setup.vision.placeholder)
+    # The rendered prompt with each image's placeholders back to the one marker
+    # the chat template wrote (Qwen's marker is its image token).
+    marker = IMAGE_MARKERS[setup.prompts.family]
+    text = re.sub(f"(?:{re.escape(marker)})+", marker, setup.tokenizer.decode(ids))
+    opened = [Image.open(io.BytesIO(data)).convert("RGB") for data in pictures]
+    batch = dict(processor(text=[text], images=opened, add_special_tokens=False))
+    theirs_ids = [int(t) for t in np.array(batch.pop("input_ids"))[0]]
+    assert theirs_ids == ids
+    mask = mx.array(np.array(batch.pop("attention_mask")))
+    expected = vlm(
+        mx.array([ids]),
+        pixel_values=mx.array(np.array(batch.pop("pixel_values"))),
+        mask=mask,
+        **{key: mx.array(np.array(value)) for key, value in batch.items()},
+    ).logits[0, -1]
+
+    local = setup.local
+    layers = local.make_cache()
+    image_prompt = ImagePrompt(prompt.tokens, prompt.images, setup.vision.placeholder, setup.vision)
+    chunks = setup.generator(step=5).prefill_chunks(prompt.tokens[:-1], 0, layers, 0, image_prompt)
+    for _ in chunks:
+        pass
+    ours = local.model(mx.array([[ids[-1]]]), cache=layers)[0, -1]
+    assert np.allclose(np.array(ours), np.array(expected), atol=1e-4)
+
+
+def test_which_instances_take_images_and_why_not(setup: VisionSetup) -> None:
+    family = setup.prompts.family
+    whole = image_prompts_for(setup.model_dir, "tiny", setup.tokenizer, None)
+    assert isinstance(whole, ImagePrompts)
+    tensor = image_prompts_for(setup.model_dir, "tiny", setup.tokenizer, "tensor")
+    assert isinstance(tensor, str) and "split by tensors" in tensor
+    # A pipeline whose first rank holds no layer: only Qwen3-VL's deepstack
+    # layers must be there (the tiny one has one).
+    pipeline = image_prompts_for(setup.model_dir, "tiny", setup.tokenizer, "pipeline", 0)
+    if family == "qwen3_vl":
+        assert isinstance(pipeline, str) and "first 1 layers" in pipeline
+    else:
+        assert isinstance(pipeline, ImagePrompts)
+
+
+def test_a_qwen_image_too_narrow_is_refused(setup: VisionSetup) -> None:
+    if setup.prompts.family not in GRID_FAMILIES:
+        pytest.skip("only Qwen's image processor bounds the sides' ratio")
+    with pytest.raises(ValueError, match="ratio must be under 200"):
+        setup.prompt([asking(png("red", (401, 2)))])

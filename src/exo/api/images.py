@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import anyio
 import httpx
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from exo.api.errors import APIError, invalid
+from exo.shared.prompt_images import upright_rgb
 from exo.shared.types.chat import ChatImage, ChatRequest, ChatTurn
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image file, inline or fetched
@@ -159,8 +160,7 @@ def decode_image(data: bytes) -> DecodedImage:
                 if width * height > MAX_IMAGE_PIXELS:
                     raise _too_many_pixels(width, height)
                 opened.load()
-                image = ImageOps.exif_transpose(opened)
-                rgb = _rgb(image)
+                rgb = upright_rgb(opened)
     except Image.DecompressionBombError as error:
         raise invalid(str(error), "messages", "image_too_large") from None
     except UnidentifiedImageError:
@@ -173,13 +173,3 @@ def decode_image(data: bytes) -> DecodedImage:
     digest.update(f"{rgb.width}x{rgb.height}:".encode())
     digest.update(rgb.tobytes())
     return DecodedImage(rgb, digest.hexdigest())
-
-
-def _rgb(image: Image.Image) -> Image.Image:
-    if image.mode == "RGB":
-        return image  # (exif_transpose made it a copy, apart from the file)
-    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")

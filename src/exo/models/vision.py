@@ -4,15 +4,16 @@ torch, so it expands each image marker the chat template wrote into the image's
 placeholder tokens itself, as the family's processor does; the runner checks
 its count against the features mlx-vlm's processor and vision tower make).
 
-A family takes images where mlx-lm serves its language model and that model
-reads the image features as input embeddings at 1-D positions, as mlx-vlm's
-does (`engine/mlx/vision.py` runs mlx-vlm's vision tower and projector and
-hands the embeddings to the mlx-lm model). Qwen2-VL / Qwen2.5-VL / Qwen3-VL
-place image tokens at 3-D (M-RoPE) positions that mlx-lm's text model does not
-compute: those models serve text only.
+A family takes images where mlx-lm serves its language model, which reads the
+image features as input embeddings (`engine/mlx/vision.py` runs mlx-vlm's
+vision tower and projector and hands the embeddings to the mlx-lm model).
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL also place an image's tokens at 2-D positions
+(M-RoPE): the node sends each image's grid of tokens with it, and the runner
+computes their positions (`engine/image_positions.py`).
 """
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,48 @@ class _Mistral3:
         return text, rows * columns
 
 
+class _QwenVL:
+    """The image resized to whole merged patches within the pixel bounds
+    (`smart_resize` of transformers' and mlx-vlm's Qwen-VL image processors),
+    one token per merged patch: `rows x columns` copies of the image token."""
+
+    def __init__(self, model_dir: Path, family: str) -> None:
+        raw = _json(model_dir / "preprocessor_config.json")
+        raw.update(_json(model_dir / "processor_config.json").get("image_processor") or {})
+        # mlx-vlm's defaults (its processors read these keys, in this order).
+        patch = int(raw.get("patch_size", 16 if family.startswith("qwen3") else 14))
+        self._merge = int(raw.get("merge_size", 2))
+        self._factor = patch * self._merge
+        size = raw.get("size") or {}
+        self._min_pixels = int(raw.get("min_pixels") or size.get("shortest_edge") or 56 * 56)
+        self._max_pixels = int(
+            raw.get("max_pixels") or size.get("longest_edge") or 14 * 14 * 4 * 1280
+        )
+
+    def grid(self, image: Image) -> tuple[int, int]:
+        """(rows, columns) of the image's tokens."""
+        width, height = image.size
+        if max(height, width) / min(height, width) > 200:
+            raise ValueError(
+                f"an image of {width} x {height} pixels is too narrow: its sides' ratio "
+                "must be under 200"
+            )
+        factor = self._factor
+        rows, columns = round(height / factor), round(width / factor)
+        if rows * columns * factor * factor > self._max_pixels:
+            beta = math.sqrt(height * width / self._max_pixels)
+            rows = max(1, math.floor(height / beta / factor))
+            columns = max(1, math.floor(width / beta / factor))
+        elif rows * columns * factor * factor < self._min_pixels:
+            beta = math.sqrt(self._min_pixels / (height * width))
+            rows, columns = math.ceil(height * beta / factor), math.ceil(width * beta / factor)
+        return rows, columns
+
+    def expansion(self, image: Image) -> tuple[str, int]:
+        rows, columns = self.grid(image)
+        return "<|image_pad|>" * (rows * columns), rows * columns
+
+
 class ImagePrompts:
     """A vision model's image side on the node: a rendered prompt with images
     becomes token ids, each image's placeholders written as its image key."""
@@ -99,7 +142,13 @@ class ImagePrompts:
             raise ValueError(f"{model_dir.name} is not a vision model exo gives images to")
         self.family = family
         self._marker = IMAGE_MARKERS[family]
-        self._expand = (_Gemma3 if family == "gemma3" else _Mistral3)(model_dir)
+        self._expand: _Gemma3 | _Mistral3 | _QwenVL
+        if family == "gemma3":
+            self._expand = _Gemma3(model_dir)
+        elif family == "mistral3":
+            self._expand = _Mistral3(model_dir)
+        else:
+            self._expand = _QwenVL(model_dir, family)
         self._placeholder = image_placeholder(config)
         self._tokenizer = tokenizer
 
@@ -126,9 +175,14 @@ class ImagePrompts:
             mine = positions[taken : taken + count]
             for position in mine:
                 ids[position] = image_key(picture.digest)
+            grid = self._expand.grid(picture.image) if isinstance(self._expand, _QwenVL) else None
             images.append(
                 PromptImage(
-                    data=picture.data, digest=picture.digest, start=mine[0], end=mine[-1] + 1
+                    data=picture.data,
+                    digest=picture.digest,
+                    start=mine[0],
+                    end=mine[-1] + 1,
+                    grid=grid,
                 )
             )
             taken += count
@@ -136,10 +190,15 @@ class ImagePrompts:
 
 
 def image_prompts_for(
-    model_dir: Path, model: str, tokenizer: ChatTokenizer, sharding: str | None
+    model_dir: Path,
+    model: str,
+    tokenizer: ChatTokenizer,
+    sharding: str | None,
+    first_rank_layers: int | None = None,
 ) -> ImagePrompts | str:
     """What reads a served model's images, or why it cannot take any.
-    `sharding`: how its instance is split ("pipeline", "tensor"; None: whole)."""
+    `sharding`: how its instance is split ("pipeline", "tensor"; None: whole);
+    `first_rank_layers`: how many layers a pipeline's first rank holds."""
     config = json.loads((model_dir / "config.json").read_text())
     if "vision_config" not in config:
         return f"{model} reads text only (it has no vision tower): send it no images"
@@ -152,6 +211,12 @@ def image_prompts_for(
         return (
             f"{model} is split by tensors, and a tensor-split instance reads text only; "
             "place it whole or split by layers (pipeline) to send it images"
+        )
+    deepstack = len((config.get("vision_config") or {}).get("deepstack_visual_indexes") or ())
+    if first_rank_layers is not None and first_rank_layers < deepstack:
+        return (
+            f"{model} adds image features to its first {deepstack} layers, which this "
+            f"instance's first rank does not all hold ({first_rank_layers}): it reads text only"
         )
     try:
         return ImagePrompts(model_dir, tokenizer)

@@ -18,6 +18,7 @@ the image (`engine/mlx/vision.py`).
 from collections.abc import Sequence
 from typing import Any
 
+from PIL import Image, ImageOps
 from pydantic import ConfigDict, Field
 
 from exo.shared.types.frozen import FrozenModel
@@ -26,10 +27,25 @@ from exo.shared.types.frozen import FrozenModel
 VISION_FAMILIES: dict[str, str] = {
     "gemma3": "Gemma 3",
     "mistral3": "Mistral 3 (Mistral Small 3.1 / 3.2)",
+    "qwen2_vl": "Qwen2-VL",
+    "qwen2_5_vl": "Qwen2.5-VL",
+    "qwen3_vl": "Qwen3-VL",
+    "qwen3_vl_moe": "Qwen3-VL MoE",
 }
 
 # What the chat template writes for an image, by family: the processor expands it.
-IMAGE_MARKERS: dict[str, str] = {"gemma3": "<start_of_image>", "mistral3": "[IMG]"}
+IMAGE_MARKERS: dict[str, str] = {
+    "gemma3": "<start_of_image>",
+    "mistral3": "[IMG]",
+    "qwen2_vl": "<|image_pad|>",
+    "qwen2_5_vl": "<|image_pad|>",
+    "qwen3_vl": "<|image_pad|>",
+    "qwen3_vl_moe": "<|image_pad|>",
+}
+
+# Families whose image tokens sit at 2-D positions (M-RoPE: `engine/image_positions.py`):
+# a prompt's images carry their grids of tokens.
+GRID_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
 
 
 def vision_family(config: dict[str, Any]) -> str | None:
@@ -65,6 +81,13 @@ class PromptImage(FrozenModel):
     digest: str
     start: int = Field(ge=0)
     end: int = Field(gt=0)
+    # (rows, columns) of its tokens, for families that place them in 2-D
+    # (`GRID_FAMILIES`); the span then holds exactly rows x columns placeholders.
+    grid: tuple[int, int] | None = None
+
+    def without_data(self) -> "PromptImage":
+        """Its place in the prompt only: what ranks that do not read images need."""
+        return self.model_copy(update={"data": b""})
 
 
 def image_key(digest: str) -> int:
@@ -79,3 +102,16 @@ def is_image_key(token: int) -> bool:
 def model_ids(tokens: Sequence[int], placeholder: int) -> list[int]:
     """The ids the model reads: image keys back to the placeholder token."""
     return [placeholder if token >= IMAGE_KEY_BASE else token for token in tokens]
+
+
+def upright_rgb(image: Image.Image) -> Image.Image:
+    """An opened image's pixels as a model sees them (and the node hashes them):
+    turned as its EXIF orientation says, transparency laid over white, RGB."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")

@@ -436,6 +436,7 @@ class Worker:
                     instance.model_id,
                     tokenizer,
                     instance.sharding if len(instance.ranks) > 1 else None,
+                    instance.ranks[0].end_layer if len(instance.ranks) > 1 else None,
                 ),
             )
         except Exception as error:

@@ -26,6 +26,7 @@ string too), EOS never.
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,6 +35,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from exo.engine.mlx.constrained import compile_constraint, request_sampling
 from exo.engine.mlx.cpu_few_rows import eager_rows
+from exo.engine.mlx.multimodal_rope import ImageInputs
 from exo.engine.mlx.prefix_cache import (
     KVPrefixCache,
     LayerCache,
@@ -135,15 +137,22 @@ class LocalModel:
         return self._sampling
 
     def prefill(
-        self, tokens: Sequence[int], layers: list[LayerCache], embeddings: mx.array | None = None
+        self,
+        tokens: Sequence[int],
+        layers: list[LayerCache],
+        embeddings: mx.array | None = None,
+        images: ImageInputs | None = None,
     ) -> None:
         """Read `tokens` into the cache (as `embeddings`, where a prompt holds
-        images: `vision.ImagePrompt`)."""
+        images, and with `images`' positions where the model places image tokens
+        in 2-D: `vision.ImagePrompt`)."""
         inputs = mx.array(list(tokens))[None]
-        if embeddings is None:
-            self.model(inputs, cache=layers)
-        else:
-            self.model(inputs, cache=layers, input_embeddings=embeddings)
+        extra: dict[str, Any] = {}
+        if embeddings is not None:
+            extra["input_embeddings"] = embeddings
+        if images is not None:
+            extra["images"] = images
+        self.model(inputs, cache=layers, **extra)
         mx.eval([layer.state for layer in layers])
 
     def next_token(self, token: int, layers: list[LayerCache]) -> SampledToken:
@@ -189,10 +198,10 @@ class TextGenerator:
         image_placeholder: int | None = None,
     ) -> None:
         """`vision`: a vision model's image side, where this process reads the
-        prompt's images (whole model, a pipeline's first rank); without it a
-        request with images fails. `image_placeholder`: a vision model's image
-        token, which other ranks read its prompts' image keys as
-        (`model_ids`)."""
+        prompt's images (whole model, a pipeline's first rank).
+        `image_placeholder`: a vision model's image token, which the other ranks
+        read its prompts' image keys as (`model_ids`), knowing the images'
+        places only; with neither, a request with images fails."""
         self.forward = forward
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
@@ -258,9 +267,9 @@ class TextGenerator:
         """A prompt with images, as the model reads it; None without images."""
         if not images:
             return None
-        if self.vision is None:
+        if self.image_placeholder is None:
             raise ValueError("this model reads text only: it was loaded without a vision tower")
-        return ImagePrompt(self.vision, tokens, images)
+        return ImagePrompt(tokens, images, self.image_placeholder, self.vision)
 
     def model_ids(self, tokens: Sequence[int]) -> Sequence[int]:
         """The ids the model reads for `tokens` (what sampling penalizes and
@@ -296,7 +305,12 @@ class TextGenerator:
             if images is None:
                 self.forward.prefill(tokens[done:end], layers)
             else:
-                self.forward.prefill(images.ids[done:end], layers, images.embeddings(done, end))
+                self.forward.prefill(
+                    images.ids[done:end],
+                    layers,
+                    images.embeddings(done, end),
+                    images.inputs(done, end),
+                )
             done = end
             if done == checkpoint and self.prefix_cache is not None:
                 self.prefix_cache.store(tokens[:done], layers)

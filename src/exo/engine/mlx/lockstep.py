@@ -65,12 +65,15 @@ _SEED_BITS = 63
 
 
 class LockstepTask(BaseModel):
-    """An `ADD`'s payload: a task as rank 0's batch took it."""
+    """An `ADD`'s payload: a task as rank 0's batch took it. Its images without
+    their files: only rank 0 reads them, the others need their places (and
+    grids: `engine/image_positions.py`)."""
 
     task_id: str
     tokens: list[int]
     params: GenerationParams
     system_prompt_length: int
+    images: list[PromptImage] = []
 
 
 class RingStopped(PipelineFailure):
@@ -141,11 +144,10 @@ class LockstepBatch:
             tokens=list(tokens),
             params=params,
             system_prompt_length=system_prompt_length,
+            images=[image.without_data() for image in images],
         )
         self._link.send(*json_message(Op.ADD, task))
         try:
-            # Images are read by this rank alone (a pipeline's first): the
-            # others' prompts hold their keys only.
             progress = self._inner.add(task_id, tokens, params, system_prompt_length, images)
         except Exception:
             self._link.send(Header(Op.ADDED, flag=0))
@@ -227,7 +229,9 @@ class LockstepFollower:
 
     def _add(self, task: LockstepTask) -> None:
         try:
-            self.batch.add(task.task_id, task.tokens, task.params, task.system_prompt_length)
+            self.batch.add(
+                task.task_id, task.tokens, task.params, task.system_prompt_length, task.images
+            )
             taken = True
         except Exception:
             taken = False

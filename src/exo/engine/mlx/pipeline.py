@@ -26,13 +26,14 @@ Every rank runs the same serving loop on the same requests, rank 0 deciding
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from exo.engine.mlx.multimodal_rope import ForwardPositions, ImageInputs, PositionTracker
 from exo.engine.mlx.prefix_cache import LayerCache
 from exo.engine.mlx.ring import Header, Link, Op, PipelineError, sampled_of, token_message
 from exo.engine.mlx.ring_agreements import STEP_SECONDS
@@ -48,12 +49,17 @@ class PipelineStage(nn.Module):
     per token, fed as an attention layer's is. How many tokens the caches hold
     decides what the prefix cache stores (`prefix_cache.cached_length`), and a rank
     whose layers all keep a fixed-size state (linear attention, SSM) could not
-    tell otherwise; every rank must decide alike."""
+    tell otherwise; every rank must decide alike. Each scalar is the token's
+    position delta for a model with multimodal positions (`positions`, see
+    `multimodal_rope.py`), 0 otherwise."""
 
-    def __init__(self, shard: ShardModel, link: Link) -> None:
+    def __init__(
+        self, shard: ShardModel, link: Link, positions: ForwardPositions | None = None
+    ) -> None:
         super().__init__()
         self._shard = shard
         self._link = link
+        object.__setattr__(self, "_tracker", PositionTracker(positions))
 
     def make_cache(self) -> list[LayerCache]:
         return [*self._shard.make_cache(), KVCache()]
@@ -63,14 +69,25 @@ class PipelineStage(nn.Module):
         inputs: mx.array,
         cache: list[Any] | None = None,
         input_embeddings: mx.array | None = None,
+        images: ImageInputs | None = None,
     ) -> mx.array:
-        """`input_embeddings`: on the first rank, a prompt with images as it reads."""
-        link, shard = self._link, self._shard
+        """`input_embeddings`: on the first rank, a prompt with images as it
+        reads; `images`: their positions (every rank) where the model places
+        image tokens in 2-D."""
         if cache is None:
             raise PipelineError("a pipeline stage runs on its caches")
         *cache, counter = cache
-        rows, tokens = inputs.shape[:2]
-        counter.update_and_fetch(*[mx.zeros((rows, 1, tokens, 1))] * 2)
+        tracker = cast(PositionTracker, self._tracker)
+        tracker.begin(counter, inputs, images)
+        try:
+            return self._run(inputs, cache, input_embeddings)
+        finally:
+            tracker.end()
+
+    def _run(
+        self, inputs: mx.array, cache: list[Any], input_embeddings: mx.array | None
+    ) -> mx.array:
+        link, shard = self._link, self._shard
         if link.rank == 0:
             out = shard.run(inputs, cache, input_embeddings)
         else:

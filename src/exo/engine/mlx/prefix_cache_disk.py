@@ -43,10 +43,15 @@ LayerCache = Any
 
 
 def cache_namespace(
-    model_dir: Path, layers: LayerRange | None, tensor_rank: tuple[int, int] | None = None
+    model_dir: Path,
+    layers: LayerRange | None,
+    tensor_rank: tuple[int, int] | None = None,
+    positions: bool = False,
 ) -> str:
     """A digest of what a cached KV depends on: model files, tokenizer, template,
-    layers, and which slice of the heads (`tensor_rank`: rank, ranks)."""
+    layers, which slice of the heads (`tensor_rank`: rank, ranks), and whether
+    the caches end with tokens' position deltas (`positions`: a whole model with
+    multimodal RoPE, `multimodal_rope.py`)."""
     h = hashlib.blake2b(FORMAT.encode(), digest_size=16)
     for path in sorted(model_dir.iterdir()):
         if path.name in _IDENTITY_FILES:
@@ -56,6 +61,8 @@ def cache_namespace(
     h.update(str(layers).encode())
     if tensor_rank is not None:
         h.update(f"tensor rank {tensor_rank[0]} of {tensor_rank[1]}".encode())
+    if positions:
+        h.update(b"multimodal positions")
     return h.hexdigest()
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from loguru import logger
+from mlx_lm.utils import load_config
 
 from exo.engine.mlx.batch import Batch, ContinuousBatcher, can_batch
 from exo.engine.mlx.cpu_few_rows import configure_kernel_threads
@@ -35,6 +36,7 @@ from exo.engine.mlx.lockstep import (
     LockstepBatch,
     LockstepFollower,
 )
+from exo.engine.mlx.multimodal_rope import install as install_multimodal_rope
 from exo.engine.mlx.one_at_a_time import OneAtATime
 from exo.engine.mlx.pipeline import PipelineStage, RingDraw
 from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache, needs_checkpoints
@@ -110,17 +112,22 @@ def _join(
     )
     configure_kernel_threads(pipeline_rank=True)  # before loading, which starts the threads
     tokenizer = load_model_tokenizer(model_dir)
-    vision, placeholder = None, vision_placeholder(model_dir)
+    # A tensor-split instance reads text only (the node refuses images for it).
+    vision, placeholder = None, None if tensor else vision_placeholder(model_dir)
     if tensor:
         local = LocalModel(load_tensor_rank(model_dir, link.group), tokenizer)
         whole_caches = local.make_cache()  # every rank holds every layer's kind
         namespace = cache_namespace(model_dir, None, (link.rank, link.size))
     else:
         shard = load_shard(model_dir, layers)
-        local = LocalModel(PipelineStage(shard, link), tokenizer, lambda step: RingDraw(step, link))
+        positions = install_multimodal_rope(shard.model, load_config(model_dir))
+        stage = PipelineStage(shard, link, positions)
+        local = LocalModel(stage, tokenizer, lambda step: RingDraw(step, link))
         whole_caches = shard.whole_model_caches()
-        namespace = cache_namespace(model_dir, layers)
+        namespace = cache_namespace(model_dir, layers, positions=positions is not None)
         if placeholder is not None and link.rank == 0:
+            # (Where this rank does not hold every layer that adds Qwen3-VL's
+            # deepstack features, the node sends no images: `image_prompts_for`.)
             vision = VisionEncoder(model_dir, shard.model)
     local.eager_rows = LOCKSTEP_EAGER_ROWS
     logger.info(

@@ -7,10 +7,12 @@ import time
 from pathlib import Path
 
 from loguru import logger
+from mlx_lm.utils import load_config
 
 from exo.engine.mlx.batch import Batch, ContinuousBatcher, can_batch
 from exo.engine.mlx.generate import LocalModel, TextGenerator
 from exo.engine.mlx.load import load_for_inference
+from exo.engine.mlx.multimodal_rope import MultimodalRopeModel, with_multimodal_rope
 from exo.engine.mlx.one_at_a_time import OneAtATime
 from exo.engine.mlx.prefix_cache import KVPrefixCache, LayerCache
 from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
@@ -34,17 +36,20 @@ def serve_whole_model(
     started = time.monotonic()
     model, tokenizer = load_for_inference(model_dir)
     loaded = time.monotonic()
+    forward = with_multimodal_rope(model, load_config(model_dir))
+    positions = isinstance(forward, MultimodalRopeModel)  # its caches keep position deltas
+    namespace = cache_namespace(model_dir, None, positions=positions)
     cache = (
         KVPrefixCache(
             prefix_cache_bytes,
             memory_pressure=memory_pressure,
-            disk=DiskTier(disk[0], cache_namespace(model_dir, None), disk[1]) if disk else None,
+            disk=DiskTier(disk[0], namespace, disk[1]) if disk else None,
             decode=tokenizer.decode,
         )
         if prefix_cache_bytes > 0
         else None
     )
-    local = LocalModel(model, tokenizer)
+    local = LocalModel(forward, tokenizer)
     caches = local.make_cache()
     warm_up(local, caches)  # first-use compiles before "ready", not in the first request
     logger.info(
