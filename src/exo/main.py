@@ -28,9 +28,11 @@ from exo.api.routing import ROUTING_POLICIES
 from exo.cluster.auth import validate_secret
 from exo.cluster.timing import LinkTiming
 from exo.models.builtin import DEFAULT_MODEL_ID
+from exo.models.local_store import ModelStore
 from exo.models.store import InvalidModelId, default_data_dir, model_dir, validate_model_id
 from exo.node import NodeConfig, NodeStartupError, run_node
 from exo.shared.allocator import keep_large_buffers_in_the_heap
+from exo.shared.types.ids import ModelId
 
 DEFAULT_API_PORT = 52415
 DEFAULT_GRPC_PORT = 52414
@@ -160,6 +162,8 @@ FLAGS: tuple[Flag, ...] = (
          "(fnmatch patterns, first match wins), e.g. 'claude-*=MODEL'; claude-* names go to the only served model when there is one", ""),
     Flag("--speculation", "EXO_SPECULATION", f"speculative decoding's drafts, one of {', '.join(SPECULATION_MODES)}: "
          "prompt-lookup drafts tokens from the prompt (and a request's prediction), none turns drafting off", "prompt-lookup", _speculation),
+    Flag("--draft-model", "EXO_DRAFT_MODEL", "a small model (in the models directory) with the served models' tokenizer, drafting text that copies nothing "
+         "for the models this node serves whole; models of another tokenizer are served without it (GET /v1/models says why)"),
     Flag("--retry-seconds", "EXO_RETRY_SECONDS", "how long a request whose runner or node is lost before its first token is run again "
          "(on the restarted runner, another instance, or the model placed again) before it fails; 0 turns retrying off", str(DEFAULT_RETRY_SECONDS), _non_negative_seconds),
     Flag("--routing", "EXO_ROUTING", f"how this node chooses among a model's replicas, one of {', '.join(ROUTING_POLICIES)}: "
@@ -275,6 +279,29 @@ def _import_gguf(args: argparse.Namespace) -> None:
     print(path)
 
 
+def _draft_model(args: argparse.Namespace) -> ModelId | None:
+    """`--draft-model`, checked: a model of the models directory (the built-in
+    one is imported at start), with speculative decoding on."""
+    if not args.draft_model:
+        return None
+    try:
+        draft = validate_model_id(args.draft_model)
+    except InvalidModelId as error:
+        _fail(f"--draft-model: {error}")
+    if args.speculation == "none":
+        _fail("--draft-model drafts for speculative decoding, which --speculation none turns off")
+    store = ModelStore(
+        models_dir(args),
+        tuple(Path(d) for d in args.models_read_only_dirs.split(os.pathsep) if d.strip()),
+    )
+    if draft != DEFAULT_MODEL_ID and store.find(draft) is None:
+        _fail(
+            f"--draft-model {draft}: no such model in {models_dir(args)}; copy its folder "
+            f"there or download it first (exo download {draft})"
+        )
+    return draft
+
+
 def node_config(args: argparse.Namespace) -> NodeConfig:
     """The node's settings from its flags; a bad value exits with a sentence."""
     try:
@@ -310,6 +337,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
             _fail("--ollama-port must differ from --api-port")
         if args.no_api:
             _fail("--ollama-port serves the HTTP API, which --no-api turns off")
+    draft_model = _draft_model(args)
     cache_bytes = args.prefix_cache_bytes
     if cache_bytes is None:
         cache_bytes = int(psutil.virtual_memory().total * DEFAULT_PREFIX_CACHE_FRACTION)
@@ -350,6 +378,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         ),
         min_free_disk_bytes=args.min_free_disk_bytes,
         speculation=args.speculation != "none",
+        draft_model=draft_model,
         routing=args.routing,
         retry_seconds=args.retry_seconds,
         fetch_images=not args.no_fetch_images,

@@ -83,6 +83,8 @@ class NodeConfig:
     client_stall_seconds: float = DEFAULT_CLIENT_STALL_SECONDS
     # Speculative decoding (prompt-lookup drafts) in this node's runners.
     speculation: bool = True
+    # A small model drafting for the models this node serves whole (`--draft-model`).
+    draft_model: ModelId | None = None
     # A second port of the HTTP API, where `/` answers as Ollama's server does.
     ollama_port: int | None = None
     # How the API chooses among a model's replicas (`exo.api.routing`).
@@ -342,6 +344,7 @@ async def _run_node(config: NodeConfig) -> None:
             stale=stale,
             disk_space=DiskSpace(config.min_free_disk_bytes),
             speculation=config.speculation,
+            draft_model=config.draft_model,
         )
         if config.worker
         else None

@@ -177,6 +177,45 @@ def test_a_bad_ollama_port_exits_2_with_a_sentence(
     assert message in "".join(logged)
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--draft-model", "no-such-model"], "--draft-model no-such-model: no such model in"),
+        (["--draft-model", "../up"], "--draft-model:"),
+        (
+            ["--draft-model", "SmolLM2-135M-Instruct", "--speculation", "none"],
+            "which --speculation none turns off",
+        ),
+    ],
+)
+def test_a_bad_draft_model_exits_2_with_a_sentence(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXO_DATA_DIR", str(tmp_path))
+    logged: list[str] = []
+    sink = logger.add(logged.append, level="ERROR")
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            node_config(parse_args(argv))
+    finally:
+        logger.remove(sink)
+    assert exit_info.value.code == 2
+    assert message in "".join(logged)
+
+
+def test_a_draft_model_is_one_in_the_models_dir_or_the_built_in_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXO_DATA_DIR", str(tmp_path))
+    assert node_config(parse_args([])).draft_model is None
+    # The built-in model is imported at start: it may be named before it is there.
+    built_in = node_config(parse_args(["--draft-model", "SmolLM2-135M-Instruct"]))
+    assert built_in.draft_model == "SmolLM2-135M-Instruct"
+    (node_config(parse_args([])).models_dir / "tiny-draft").mkdir(parents=True)
+    (node_config(parse_args([])).models_dir / "tiny-draft" / "config.json").write_text("{}")
+    assert node_config(parse_args(["--draft-model", "tiny-draft"])).draft_model == "tiny-draft"
+
+
 def test_import_gguf_lands_where_the_node_looks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -39,6 +39,8 @@ def openai_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
                 status=m.runner.status,
                 context_length=m.context_length,
                 images=not isinstance(m.images, str),
+                draft_model=m.draft_model,
+                draft_model_refused=m.draft_refused,
             )
             for m in router.models.values()
         ]

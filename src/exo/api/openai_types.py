@@ -765,6 +765,9 @@ class ModelObject(BaseModel):
     context_length: int | None  # None: served by another node
     # Whether it reads images (`models/vision.py`); None: served by another node.
     images: bool | None = None
+    # With the node's `--draft-model`: the model drafting for it, or why none does.
+    draft_model: str | None = None
+    draft_model_refused: str | None = None
 
 
 class ModelList(BaseModel):

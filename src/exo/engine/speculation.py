@@ -4,7 +4,8 @@ guessed from what it copies, so that one forward pass checks several of them
 
 A coding agent's model copies most of what it writes: an edit repeats lines of
 a file in the prompt, a tool call repeats paths and names from earlier turns.
-Two sources, both lookups in token sequences (no model runs):
+Two sources, both lookups in token sequences (no model runs), and a third for
+text that copies nothing:
 
 - **Predicted output** (OpenAI's `prediction`): the text the client expects the
   reply to be. While the reply follows it token for token, the draft is its
@@ -14,6 +15,8 @@ Two sources, both lookups in token sequences (no model runs):
 - **Prompt lookup**: the reply's last `NGRAM_LONGEST` .. `NGRAM_SHORTEST` tokens
   (longest first) are looked up in the prompt and the reply so far; the draft is
   what followed their most recent earlier occurrence.
+- **A draft model** (`--draft-model`, `mlx/draft_model.py`), where neither finds
+  a draft: a small model of the same tokenizer writes the next tokens greedily.
 
 How much is drafted adapts per request: the draft grows while drafts are
 accepted whole and shrinks to what was accepted otherwise; a request whose
@@ -26,8 +29,12 @@ the rows' drafts are expected to gain (from each request's acceptance so far)
 against the step's cost, and picks how far to verify, or a plain step.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+# A draft model's drafts of one request: up to `limit` tokens to follow a
+# sequence (its prompt and reply so far); none where it has none (yet).
+ModelDrafts = Callable[[Sequence[int], int], Sequence[int]]
 
 # N-gram lengths looked up, longest first. A 1-gram matches almost anywhere and
 # is rarely followed by the same text.
@@ -169,7 +176,14 @@ class _Prediction:
 class Drafter:
     """One request's drafts; `draft` before each decode step, `record` after."""
 
-    def __init__(self, prompt: Sequence[int], prediction: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        prediction: Sequence[int] = (),
+        model: ModelDrafts | None = None,
+    ) -> None:
+        """`model`: the draft model's drafts, where the prompt and prediction have none."""
+        self._model = model
         self._sequence = list(prompt)
         self._reply_start = len(prompt)
         self._index = _NgramIndex()
@@ -201,9 +215,9 @@ class Drafter:
         sequence = self._sequence
         self._index.index(sequence, len(sequence) - 1)
         start = self._index.continuation(sequence)
-        if start is None:
-            return None
-        tokens = tuple(sequence[start : start + limit])
+        tokens = tuple(sequence[start : start + limit]) if start is not None else ()
+        if not tokens and self._model is not None:
+            tokens = tuple(self._model(sequence, limit))[:limit]
         return Draft(tokens, predicted=False) if tokens else None
 
     def record(self, draft: Draft, accepted: int) -> None:

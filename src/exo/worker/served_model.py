@@ -23,6 +23,10 @@ class ServedModel:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # What reads its requests' images, or why it takes none (`models/vision.py`).
     images: ImagePrompts | str = "the model reads text only"
+    # The node's `--draft-model` where it drafts for this model, else why not
+    # (`models/draft_models.py`); both None without one.
+    draft_model: ModelId | None = None
+    draft_refused: str | None = None
 
     @property
     def vocabulary_size(self) -> int:

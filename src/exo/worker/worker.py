@@ -15,7 +15,8 @@ from loguru import logger
 from exo.cluster.link import ClusterLink
 from exo.cluster.model_files import PeerSource
 from exo.models.builtin import DEFAULT_MODEL_ID
-from exo.models.chat_tokenizer import load_chat_tokenizer, longest_token_bytes
+from exo.models.chat_tokenizer import ChatTokenizer, load_chat_tokenizer, longest_token_bytes
+from exo.models.draft_models import draft_refusal
 from exo.models.file_source import DownloadError, FileSource
 from exo.models.local_store import ModelStore
 from exo.models.sampling_defaults import read_sampling_defaults
@@ -89,6 +90,7 @@ class Worker:
         prefix_cache_disk_bytes: int = 0,
         disk_space: DiskSpace | None = None,
         speculation: bool = True,
+        draft_model: ModelId | None = None,
     ) -> None:
         self.link = link
         # Every download of this node reserves its space here (a floor stays free).
@@ -98,6 +100,8 @@ class Worker:
         self.prefix_cache_bytes = prefix_cache_bytes
         self.prefix_cache_disk_bytes = prefix_cache_disk_bytes
         self.speculation = speculation
+        # `--draft-model`: drafts for the models this node serves whole, where it may.
+        self.draft_model = draft_model
         self.secret = secret
         self.on_ready = on_ready
         self.stale = stale
@@ -391,6 +395,23 @@ class Worker:
         except Exception as error:  # any failure to prepare the model is the runner's failure
             self._cannot_serve(instance, error)
             return
+        tokenizer: ChatTokenizer | None = None
+        draft_dir, draft_refused = None, None
+        if self.draft_model is not None and rank == 0:
+            try:  # the served model's tokens first: the runner gets a draft model that fits
+                tokenizer = await anyio.to_thread.run_sync(load_chat_tokenizer, path)
+                draft_dir = self.models.find(self.draft_model)
+                draft_refused = await anyio.to_thread.run_sync(
+                    draft_refusal, self.draft_model, draft_dir, tokenizer, len(instance.ranks)
+                )
+            except Exception as error:
+                self._cannot_serve(instance, error)
+                return
+            if draft_refused is not None:
+                logger.warning(
+                    f"{instance.model_id} is served without a draft model: {draft_refused}"
+                )
+                draft_dir = None
         running = _Running(instance, None)
         runner = RunnerSupervisor(
             instance,
@@ -400,6 +421,7 @@ class Worker:
             self.cache_dir,
             prefix_cache_disk_bytes=self.prefix_cache_disk_bytes,
             speculation=self.speculation,
+            draft_model_dir=draft_dir,
             on_status=lambda status, error: self._runner_status(running, rank, status, error),
             standby=self._take_standby,
             on_cache_summary=(
@@ -421,7 +443,8 @@ class Worker:
         if rank != 0:
             return
         try:
-            tokenizer = await anyio.to_thread.run_sync(load_chat_tokenizer, path)
+            if tokenizer is None:
+                tokenizer = await anyio.to_thread.run_sync(load_chat_tokenizer, path)
             served = ServedModel(
                 model_id=instance.model_id,
                 tokenizer=tokenizer,
@@ -438,6 +461,8 @@ class Worker:
                     instance.sharding if len(instance.ranks) > 1 else None,
                     instance.ranks[0].end_layer if len(instance.ranks) > 1 else None,
                 ),
+                draft_model=self.draft_model if draft_dir is not None else None,
+                draft_refused=draft_refused,
             )
         except Exception as error:
             await runner.shutdown()

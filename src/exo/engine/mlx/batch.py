@@ -61,6 +61,7 @@ from typing import Protocol
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from exo.engine.mlx.draft_model import DraftModel
 from exo.engine.mlx.generate import (
     DECODE_STREAM,
     Finished,
@@ -176,6 +177,7 @@ class ContinuousBatcher:
         max_batch: int = MAX_BATCH,
         prompts_together: bool = True,
         speculate: bool = False,
+        draft_model: DraftModel | None = None,
     ) -> None:
         """`prompts_together`: short prompts may be read in one forward pass,
         right-padded. Not for models whose caches keep a state (SSM, linear
@@ -187,8 +189,10 @@ class ContinuousBatcher:
         `speculate`: requests that ask for it (`params.speculation`) decode with
         drafts (`engine/speculation.py`), verified in the batch's steps; only
         for models whose caches allow it (`can_speculate`, of the whole model's
-        caches on every rank of a split instance)."""
+        caches on every rank of a split instance); with `draft_model`, text that
+        copies nothing is drafted by it (a whole model's runner only)."""
         self._generator = generator
+        self._draft_model = draft_model if speculate else None
         self._model = generator.forward
         self.max_batch = max_batch
         self._prompts_together = prompts_together
@@ -200,15 +204,19 @@ class ContinuousBatcher:
 
     @classmethod
     def for_caches(
-        cls, generator: TextGenerator, caches: Sequence[LayerCache]
+        cls,
+        generator: TextGenerator,
+        caches: Sequence[LayerCache],
+        draft_model: DraftModel | None = None,
     ) -> "ContinuousBatcher":
         """A batcher doing what a model with these caches (all its layers', the
         whole model's on a split instance's ranks) allows: short prompts read
-        together, speculative decoding."""
+        together, speculative decoding (with `draft_model`'s drafts too)."""
         return cls(
             generator,
             prompts_together=prompts_read_together(caches),
             speculate=can_speculate(caches),
+            draft_model=draft_model,
         )
 
     @property
@@ -237,9 +245,10 @@ class ContinuousBatcher:
         match, layers = generator.start(tokens, params)
         prompt = generator.image_prompt(tokens, images)
         ids = prompt.ids if prompt is not None else generator.model_ids(tokens)
-        drafter = (
-            Drafter(ids, params.prediction) if self._speculate and params.speculation else None
-        )
+        drafter = None
+        if self._speculate and params.speculation:
+            model = self._draft_model.row() if self._draft_model is not None else None
+            drafter = Drafter(ids, params.prediction, model)
         request = _Request(
             task_id=task_id,
             tokens=tokens,

@@ -320,7 +320,7 @@ def memory_gate(
     model: nn.Module, model_dir: Path, settings: MemorySettings, other_weights: int = 0
 ) -> MemoryGate | None:
     """The gate of a runner holding the whole `model` (loaded from `model_dir`)
-    and `other_weights` bytes beside it (a vision tower); None, with a warning,
+    and `other_weights` bytes beside it (a vision tower, a draft model); None, with a warning,
     when the model's folder gives no card to predict from."""
     try:
         card = card_from_folder(ModelId(model_dir.name), model_dir)

@@ -52,12 +52,14 @@ def runner_command(
     prefix_cache_disk_bytes: int = 0,
     tensor: bool = False,
     speculation: bool = True,
+    draft_model_dir: Path | None = None,
 ) -> list[str]:
     """The command line that starts a runner: the whole model, or `layers` of it
     as one rank of a ring (`MLX_HOSTFILE` and `MLX_RANK` set in its environment);
     `tensor`: the rank holds a slice of every layer (`layers` are all of them).
     With `prefix_cache_dir` and disk bytes, the prefix cache keeps entries there.
-    Without `speculation`, the runner drafts no tokens."""
+    Without `speculation`, the runner drafts no tokens; with `draft_model_dir`
+    (the whole model only), a draft model drafts text that copies nothing."""
     command = [
         sys.executable,
         "-m",
@@ -77,6 +79,8 @@ def runner_command(
         command.append("--tensor")
     if not speculation:
         command.append("--no-speculation")
+    if draft_model_dir is not None:
+        command += ["--draft-model-dir", str(draft_model_dir)]
     return command
 
 
@@ -115,9 +119,11 @@ def _serve(
     disk: tuple[Path, int] | None,
     tensor: bool,
     speculation: bool,
+    draft_model_dir: Path | None = None,
 ) -> None:
     """Load the whole model, one rank's layers or one rank's slice of every
-    layer, and serve until stopped; without `speculation`, drafting no tokens."""
+    layer, and serve until stopped; without `speculation`, drafting no tokens;
+    with `draft_model_dir`, drafting with that model too (the whole model only)."""
     # Imported here so that a broken MLX install is reported as a failed runner.
     started = time.monotonic()
     from exo.worker.runner.serving import Runner
@@ -130,8 +136,10 @@ def _serve(
         from exo.worker.runner.whole_model import serve_whole_model
 
         memory = memory_settings(os.environ)  # `--memory-limit-bytes` from the node
-        serve_whole_model(runner, model_dir, prefix_cache_bytes, disk, memory)
+        serve_whole_model(runner, model_dir, prefix_cache_bytes, disk, memory, draft_model_dir)
     else:
+        if draft_model_dir is not None:
+            raise ValueError("only a runner of the whole model drafts with a draft model")
         from exo.worker.runner.split_rank import serve_split_rank
 
         serve_split_rank(runner, model_dir, prefix_cache_bytes, layers, disk, tensor)
@@ -169,6 +177,11 @@ def main() -> None:
         action="store_false",
         help="draft no tokens (speculative decoding off)",
     )
+    parser.add_argument(
+        "--draft-model-dir",
+        type=Path,
+        help="a small model of the same tokenizer drafting text that copies nothing",
+    )
     args = parser.parse_args()
     # Ctrl-C reaches the whole process group; the node stops us via stdin instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -200,6 +213,7 @@ def main() -> None:
             disk,
             args.tensor,
             args.speculation,
+            args.draft_model_dir if args.speculation else None,
         )
     except BaseException as error:
         # When the node stops an instance each rank is told so; one that sees a peer

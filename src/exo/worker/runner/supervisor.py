@@ -69,9 +69,11 @@ class RunnerSupervisor:
         standby: Callable[[], Process | None] = lambda: None,
         speculation: bool = True,
         on_cache_summary: Callable[[tuple[int, ...]], None] = lambda summary: None,
+        draft_model_dir: Path | None = None,
     ) -> None:
         """`standby`: hands over a runner process started ahead (`standby.py`), or
-        None: one is started then. `speculation`: the runner drafts tokens.
+        None: one is started then. `speculation`: the runner drafts tokens
+        (`draft_model_dir`: with that draft model too).
         `on_cache_summary`: what the prefix cache holds, as it changes."""
         self.instance = instance
         self.rank = rank
@@ -89,6 +91,7 @@ class RunnerSupervisor:
         self.prefix_cache_bytes = prefix_cache_bytes
         self.prefix_cache_disk_bytes = prefix_cache_disk_bytes
         self.speculation = speculation
+        self.draft_model_dir = draft_model_dir
         self.cache_dir = cache_dir
         self.status: RunnerStatus = "starting"
         self.error: str | None = None
@@ -139,6 +142,7 @@ class RunnerSupervisor:
             self.prefix_cache_disk_bytes,
             tensor=self.instance.sharding == "tensor",
             speculation=self.speculation,
+            draft_model_dir=self.draft_model_dir,
         )
         reached_ready = False
         try:

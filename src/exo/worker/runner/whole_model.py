@@ -10,6 +10,7 @@ from loguru import logger
 from mlx_lm.utils import load_config
 
 from exo.engine.mlx.batch import Batch, ContinuousBatcher, can_batch
+from exo.engine.mlx.draft_model import DraftModel
 from exo.engine.mlx.generate import LocalModel, TextGenerator
 from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.multimodal_rope import MultimodalRopeModel, with_multimodal_rope
@@ -30,9 +31,12 @@ def serve_whole_model(
     prefix_cache_bytes: int,
     disk: tuple[Path, int] | None,
     memory: MemorySettings | None = None,
+    draft_model_dir: Path | None = None,
 ) -> None:
     """Load the model, then serve tasks until the node asks to stop; with
-    `memory`, a task starts only when its KV fits (`memory_admission.py`)."""
+    `memory`, a task starts only when its KV fits (`memory_admission.py`); with
+    `draft_model_dir`, that model drafts text that copies nothing
+    (`engine/mlx/draft_model.py`)."""
     started = time.monotonic()
     model, tokenizer = load_for_inference(model_dir)
     loaded = time.monotonic()
@@ -57,10 +61,14 @@ def serve_whole_model(
         f"{time.monotonic() - loaded:.1f}s"
     )
     vision = VisionEncoder(model_dir, model) if vision_placeholder(model_dir) else None
-    batch = _batch(runner, TextGenerator(local, tokenizer, cache, vision=vision), caches)
+    draft = DraftModel.load(draft_model_dir, tokenizer) if draft_model_dir else None
+    if draft is not None:
+        logger.info(f"{draft.name} drafts text that copies nothing")
+    generator = TextGenerator(local, tokenizer, cache, vision=vision)
+    batch = _batch(runner, generator, caches, draft)
     if memory is not None:
-        vision_bytes = vision.nbytes if vision is not None else 0
-        runner.memory = memory_gate(model, model_dir, memory, vision_bytes)
+        beside = (vision.nbytes if vision is not None else 0) + (draft.nbytes if draft else 0)
+        runner.memory = memory_gate(model, model_dir, memory, beside)
     runner.ready(cache)
     try:
         runner.serve(batch, keep_alive=lambda: _persist_while_idle(runner, cache))
@@ -69,10 +77,19 @@ def serve_whole_model(
             cache.persist()
 
 
-def _batch(runner: Runner, generator: TextGenerator, caches: list[LayerCache]) -> Batch:
+def _batch(
+    runner: Runner,
+    generator: TextGenerator,
+    caches: list[LayerCache],
+    draft: DraftModel | None = None,
+) -> Batch:
     if can_batch(caches):
-        return ContinuousBatcher.for_caches(generator, caches)
+        return ContinuousBatcher.for_caches(generator, caches, draft)
     logger.info("this model's caches do not batch: requests are served one at a time")
+    if draft is not None:
+        logger.warning(
+            f"{draft.name} drafts nothing: requests served one at a time do not speculate"
+        )
     return OneAtATime(generator, runner.report_progress, runner.is_cancelled)
 
 
