@@ -476,6 +476,21 @@ _QWEN_VL_TOKENS = (
     "<|video_pad|>",
 )
 
+
+def _qwen_vl(**family: Any) -> _Family:
+    """A Qwen-VL family: ChatML with Qwen's vision tokens, `<|image_pad|>` its
+    image marker and token."""
+    return _Family(
+        special_tokens=_QWEN_VL_TOKENS,
+        image_marker="<|image_pad|>",
+        image_token="<|image_pad|>",
+        chat_template=_QWEN_VL_TEMPLATE,
+        end_of_turn="<|im_end|>",
+        tokenizer_tokens={},
+        **family,
+    )
+
+
 _FAMILIES: dict[str, _Family] = {
     "gemma3": _Family(
         text_family="gemma3_text",
@@ -525,44 +540,26 @@ _FAMILIES: dict[str, _Family] = {
         # the hub's names, which mlx-vlm's sanitize maps back
         vision_weight_name=lambda name: name.replace("vision_tower.vision_model.", "vision_tower."),
     ),
-    "qwen2_5_vl": _Family(
+    "qwen2_5_vl": _qwen_vl(
         text_family="qwen2",
         architecture="Qwen2_5_VLForConditionalGeneration",
-        special_tokens=_QWEN_VL_TOKENS,
-        image_marker="<|image_pad|>",
-        image_token="<|image_pad|>",
-        chat_template=_QWEN_VL_TEMPLATE,
-        end_of_turn="<|im_end|>",
         processor_class="Qwen2_5_VLProcessor",
-        tokenizer_tokens={},
         configs=_qwen2_5_vl_configs,
         text_weight_name=_as_named,  # model.*, lm_head.*
         vision_weight_name=_named_as_prefix("visual."),
     ),
-    "qwen3_vl": _Family(
+    "qwen3_vl": _qwen_vl(
         text_family="qwen3",
         architecture="Qwen3VLForConditionalGeneration",
-        special_tokens=_QWEN_VL_TOKENS,
-        image_marker="<|image_pad|>",
-        image_token="<|image_pad|>",
-        chat_template=_QWEN_VL_TEMPLATE,
-        end_of_turn="<|im_end|>",
         processor_class="Qwen3VLProcessor",
-        tokenizer_tokens={},
         configs=_qwen3_vl_configs,
         text_weight_name=_qwen3_vl_text_name,  # model.language_model.*, lm_head.*
         vision_weight_name=_named_as_prefix("model.visual."),
     ),
-    "qwen2_vl": _Family(
+    "qwen2_vl": _qwen_vl(
         text_family="qwen2",
         architecture="Qwen2VLForConditionalGeneration",
-        special_tokens=_QWEN_VL_TOKENS,
-        image_marker="<|image_pad|>",
-        image_token="<|image_pad|>",
-        chat_template=_QWEN_VL_TEMPLATE,
-        end_of_turn="<|im_end|>",
         processor_class="Qwen2VLProcessor",
-        tokenizer_tokens={},
         configs=_qwen2_vl_configs,
         # Qwen2-VL-2B-Instruct's names: model.*, visual.* (tied: no lm_head.*).
         # (Checkpoints saved by newer transformers nest them as Qwen3-VL's,
@@ -570,16 +567,10 @@ _FAMILIES: dict[str, _Family] = {
         text_weight_name=_as_named,
         vision_weight_name=_named_as_prefix("visual."),
     ),
-    "qwen3_vl_moe": _Family(
+    "qwen3_vl_moe": _qwen_vl(
         text_family="qwen3_moe",
         architecture="Qwen3VLMoeForConditionalGeneration",
-        special_tokens=_QWEN_VL_TOKENS,
-        image_marker="<|image_pad|>",
-        image_token="<|image_pad|>",
-        chat_template=_QWEN_VL_TEMPLATE,
-        end_of_turn="<|im_end|>",
         processor_class="Qwen3VLProcessor",
-        tokenizer_tokens={},
         configs=_qwen3_vl_moe_configs,
         text_weight_name=_qwen3_vl_text_name,  # model.language_model.*, lm_head.*
         vision_weight_name=_named_as_prefix("model.visual."),

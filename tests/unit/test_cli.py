@@ -165,6 +165,13 @@ def test_the_ollama_port_is_off_unless_given(
 def test_a_bad_ollama_port_exits_2_with_a_sentence(
     argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _exits_2_saying(argv, message, tmp_path, monkeypatch)
+
+
+def _exits_2_saying(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node given `argv` exits with code 2, logging `message`."""
     monkeypatch.setenv("EXO_DATA_DIR", str(tmp_path))
     logged: list[str] = []
     sink = logger.add(logged.append, level="ERROR")
@@ -191,16 +198,7 @@ def test_a_bad_ollama_port_exits_2_with_a_sentence(
 def test_a_bad_draft_model_exits_2_with_a_sentence(
     argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("EXO_DATA_DIR", str(tmp_path))
-    logged: list[str] = []
-    sink = logger.add(logged.append, level="ERROR")
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            node_config(parse_args(argv))
-    finally:
-        logger.remove(sink)
-    assert exit_info.value.code == 2
-    assert message in "".join(logged)
+    _exits_2_saying(argv, message, tmp_path, monkeypatch)
 
 
 def test_a_draft_model_is_one_in_the_models_dir_or_the_built_in_one(

@@ -25,7 +25,8 @@ tokens for ranks whose layers all keep a fixed-size state).
 """
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -211,6 +212,17 @@ class PositionTracker:
         if self.state is not None:
             self.state.positions, self.state.shift, self.state.deepstack = None, None, ()
 
+    @contextmanager
+    def forward(
+        self, cache: LayerCache, inputs: mx.array, images: ImageInputs | None
+    ) -> Iterator[None]:
+        """A forward pass' span: `begin` before, `end` after."""
+        self.begin(cache, inputs, images)
+        try:
+            yield
+        finally:
+            self.end()
+
 
 def _last_delta(cache: LayerCache, rows: int) -> mx.array:
     """Each row's last token's delta (rows are right-aligned in a batch cache)."""
@@ -247,13 +259,9 @@ class MultimodalRopeModel(nn.Module):
         if cache is None:
             raise ValueError("a model with multimodal positions runs on its caches")
         *layers, deltas = cache
-        tracker = cast(PositionTracker, self._tracker)
-        tracker.begin(deltas, inputs, images)
-        try:
-            embedded = {} if input_embeddings is None else {"input_embeddings": input_embeddings}
+        embedded = {} if input_embeddings is None else {"input_embeddings": input_embeddings}
+        with cast(PositionTracker, self._tracker).forward(deltas, inputs, images):
             return self.model(inputs, cache=layers, **embedded)
-        finally:
-            tracker.end()
 
 
 def with_multimodal_rope(model: nn.Module, config: dict[str, Any]) -> nn.Module:

@@ -77,12 +77,8 @@ class PipelineStage(nn.Module):
         if cache is None:
             raise PipelineError("a pipeline stage runs on its caches")
         *cache, counter = cache
-        tracker = cast(PositionTracker, self._tracker)
-        tracker.begin(counter, inputs, images)
-        try:
+        with cast(PositionTracker, self._tracker).forward(counter, inputs, images):
             return self._run(inputs, cache, input_embeddings)
-        finally:
-            tracker.end()
 
     def _run(
         self, inputs: mx.array, cache: list[Any], input_embeddings: mx.array | None
