@@ -104,6 +104,40 @@ def test_disk_budget_keeps_the_most_recently_used_files(tmp_path: Path) -> None:
     assert restarted.lookup(tuple(range(200_000, 200_031))).usable == 30
 
 
+def test_the_budget_is_the_nodes_for_every_folder_together(tmp_path: Path) -> None:
+    """Folders left by models or layer ranges served before count against the
+    budget, oldest files first: the total stays within it."""
+    one_file = _file_size(tmp_path)
+    root = tmp_path / "c"
+    before = disk_cache(root, ns="old-layers")
+    for start in (0, 100_000):
+        store_fresh(before, tuple(range(start, start + 30)))
+        before.persist()
+    assert len(list((root / "old-layers").glob("*.safetensors"))) == 2
+    budget = int(2.5 * one_file)
+    cache = disk_cache(root, ns="new-layers", disk_budget=budget)
+    assert _folder_files(root) == {"old-layers": 2}  # within the budget
+    store_fresh(cache, tuple(range(200_000, 200_030)))
+    cache.persist()  # one file too many: the oldest goes, from the old folder
+    assert _folder_files(root) == {"old-layers": 1, "new-layers": 1}
+    store_fresh(cache, tuple(range(300_000, 300_030)))
+    cache.persist()
+    assert _folder_files(root) == {"new-layers": 2}  # the old folder went with its last file
+    assert not (root / "old-layers").exists()
+    assert sum(p.stat().st_size for p in root.rglob("*.safetensors")) <= budget
+    assert cache.stats().disk_entries == 2
+    restarted = disk_cache(root, ns="new-layers", disk_budget=budget)
+    assert restarted.lookup(tuple(range(300_000, 300_031))).usable == 30
+
+
+def _folder_files(root: Path) -> dict[str, int]:
+    return {
+        folder.name: count
+        for folder in root.iterdir()
+        if (count := len(list(folder.glob("*.safetensors"))))
+    }
+
+
 def _file_size(tmp_path: Path) -> int:
     probe = disk_cache(tmp_path / "probe")
     store_fresh(probe, tuple(range(900_000, 900_030)))

@@ -4,14 +4,21 @@ One safetensors file per entry (mlx_lm's prompt-cache format: every layer's
 state, with our metadata), in a folder named by `cache_namespace`: a digest of
 the model's files, tokenizer, chat template and this runner's layers. A file is
 served only when its metadata names the same namespace and format; a foreign,
-stale or unreadable file is removed, never loaded. Least recently used files go
-first when the folder outgrows its byte budget.
+stale or unreadable file is removed, never loaded.
+
+The byte budget is the node's, for every folder under the root together: the
+folders of the other models it serves, and of models and layer ranges it
+served before (a re-placement moves a rank's layers, leaving its old folder).
+Least recently used files go first, whichever folder holds them (another
+runner's file removed under it is a miss there: a file that cannot be read is
+never served), and a folder left empty goes with its last file.
 
 A file is named by its entry's key (`entry_key`, a digest of its token ids), the
 same on every pipeline rank: each rank keeps its own layers' share of an entry
 under its own namespace, and the ranks agree on entries by their keys.
 """
 
+import contextlib
 import hashlib
 import json
 import struct
@@ -219,6 +226,8 @@ class DiskTier:
             "trimmable": "1" if trimmable else "0",
         }
         try:
+            # (Another runner may have removed this folder, emptied, for the budget.)
+            self._partial.mkdir(parents=True, exist_ok=True)
             save_prompt_cache(str(partial), layers, metadata)
             partial.rename(path)  # a crash mid-write leaves a partial file, removed at start
         except OSError as error:
@@ -238,9 +247,42 @@ class DiskTier:
         entry.path.unlink(missing_ok=True)
 
     def _enforce_budget(self) -> None:
-        total = self.nbytes
-        for file_id in sorted(self._entries, key=lambda i: self._entries[i].last_used):
+        """Within the budget, with the other folders' files (see the module docstring)."""
+        others = self._other_files()
+        total = self.nbytes + sum(size for _, _, size in others)
+        if total <= self.byte_budget:
+            return
+        # Oldest first: another folder's by its file's time (touched when used),
+        # this one's by use (after the files it was started with, oldest first).
+        mine = sorted(self._entries, key=lambda i: self._entries[i].last_used)
+        mtimes = {i: self._entries[i].path.stat().st_mtime for i in mine}
+        queue = sorted(
+            [(mtime, None, path, size) for mtime, path, size in others]
+            + [(mtimes[i], i, self._entries[i].path, self._entries[i].nbytes) for i in mine],
+            key=lambda item: item[0],
+        )
+        for _, file_id, path, size in queue:
             if total <= self.byte_budget:
-                return
-            total -= self._entries[file_id].nbytes
-            self._remove(file_id)
+                break
+            total -= size
+            if file_id is not None:
+                self._remove(file_id)
+            else:
+                logger.info(f"prefix cache: removing {path.parent.name}/{path.name} (disk budget)")
+                path.unlink(missing_ok=True)
+                for empty in (path.parent / "partial", path.parent):  # its folder, once empty
+                    with contextlib.suppress(OSError):
+                        empty.rmdir()
+
+    def _other_files(self) -> list[tuple[float, Path, int]]:
+        """(modified time, path, bytes) of every entry file in the root's other folders."""
+        files: list[tuple[float, Path, int]] = []
+        root = self.directory.parent
+        for folder in root.iterdir() if root.is_dir() else ():
+            if folder == self.directory or not folder.is_dir():
+                continue
+            for path in folder.glob("*.safetensors"):
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    stat = path.stat()
+                    files.append((stat.st_mtime, path, stat.st_size))
+        return files
