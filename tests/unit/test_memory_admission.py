@@ -6,8 +6,10 @@ disk before anything is refused)."""
 import itertools
 import queue
 import random
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,8 +20,11 @@ from exo.api.generation import memory_refused
 from exo.engine.mlx.batch import ContinuousBatcher
 from exo.engine.mlx.generate import LocalModel, TextGenerator
 from exo.engine.mlx.load import load_for_inference
+from exo.engine.mlx.lockstep import LockstepFollower
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.engine.mlx.prefix_cache_disk import DiskTier
+from exo.engine.mlx.ring import Header, Message, Op
+from exo.engine.mlx.ring_agreements import ring_prefix_cache
 from exo.models.cards import card_from_folder
 from exo.models.memory import sequence_kv
 from exo.shared.types.ids import ModelId, TaskId
@@ -33,7 +38,10 @@ from exo.worker.runner.memory_admission import (
     MemoryGate,
     MemoryRoom,
     NeverFits,
+    RankAdmission,
+    RankVerdict,
     Refused,
+    RingMemoryGate,
     WaitForMemory,
     Waiting,
     batch_kv,
@@ -41,6 +49,7 @@ from exo.worker.runner.memory_admission import (
     memory_decision,
     memory_settings,
     request_kv,
+    worse,
 )
 from exo.worker.runner.protocol import (
     CacheStatsReport,
@@ -55,7 +64,9 @@ from exo.worker.runner.protocol import (
     ToRunner,
 )
 from exo.worker.runner.serving import Runner
+from tests.in_process_ring import QueueLink
 from tests.model_factory import make_tiny_model
+from tests.unit.test_prefix_cache import store_fresh
 from tests.unit.test_serving import ProtocolOut
 
 Loaded = tuple[nn.Module, TokenizerWrapper]
@@ -321,3 +332,95 @@ def test_under_pressure_the_prefix_cache_spills_to_disk_before_anything_is_refus
     assert reports[-1].disk_entries >= 1 and reports[-1].evictions >= 1
     assert reports[-1].bytes <= kv_of(512) - kv_of(220)
     assert cache.stats().disk_entries >= 1
+
+
+# ---- split instances: every rank judges, the worst decides ----
+
+
+def _verdict(decision: str, **figures: int) -> RankVerdict:
+    defaults = {"needed": 10, "limit": 1000, "weights": 100, "reserve": 100, "running": 0}
+    return RankVerdict.model_validate({"decision": decision, **defaults, **figures})
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs", "decides"),
+    [
+        (_verdict("fits"), _verdict("wait"), "theirs"),
+        (_verdict("never"), _verdict("wait"), "mine"),
+        (_verdict("fits", spill=5, spill_entries=1), _verdict("fits", spill=9, spill_entries=3), "theirs"),
+        (_verdict("never", largest_max_tokens=40), _verdict("never", largest_max_tokens=90), "mine"),
+        (_verdict("wait", running=500), _verdict("wait", running=100), "mine"),
+    ],
+)  # fmt: skip
+def test_of_two_ranks_verdicts_the_worse_decides(
+    mine: RankVerdict, theirs: RankVerdict, decides: str
+) -> None:
+    expected = mine if decides == "mine" else theirs
+    assert worse(mine, theirs) == expected
+    assert worse(theirs, mine) == expected
+
+
+def _ring_cache(link: QueueLink) -> KVPrefixCache:
+    cache = ring_prefix_cache(link, 1 << 40, lambda: False, lockstep=True)
+    assert cache is not None
+    return cache
+
+
+class _IdleBatch:
+    """A follower's batch between requests: only its prefix cache is used here."""
+
+    def __init__(self, cache: KVPrefixCache) -> None:
+        self.prefix_cache = cache
+        self.idle = True
+
+
+def test_rank_zero_asks_every_rank_and_they_spill_alike() -> None:
+    """Rank 0 has room to spare, the follower little: the follower's verdict
+    decides (a refusal naming its figures; an admission that spills as many of
+    the same entries on both ranks)."""
+    inboxes: list[queue.Queue[Message]] = [queue.Queue(), queue.Queue()]
+    links = [QueueLink(rank, inboxes) for rank in range(2)]
+    caches = [_ring_cache(link) for link in links]
+
+    def store_alike(sequences: list[tuple[int, ...]]) -> None:
+        """Both ranks store the same entries, their eviction rounds paired."""
+        follower = threading.Thread(target=lambda: [store_fresh(caches[1], s) for s in sequences])
+        follower.start()
+        for sequence in sequences:
+            store_fresh(caches[0], sequence)
+        follower.join(30)
+
+    store_alike([tuple(range(start, start + 300)) for start in (0, 10_000, 20_000)])
+    entry_bytes = caches[1].nbytes // 3
+    kv_of = lambda tokens: tokens * 100  # noqa: E731
+    roomy = MemoryGate(kv_of, limit=10**9, weights=0, reserve=0, wait_seconds=0)
+    # The follower's room: a sequence of 3,000 tokens and one entry.
+    tight = MemoryGate(kv_of, limit=300_000 + entry_bytes, weights=0, reserve=0, wait_seconds=0)
+    errors: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            batch = cast(Any, _IdleBatch(caches[1]))
+            LockstepFollower(cast(Any, links[1]), batch, RankAdmission(tight, caches[1])).serve()
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    try:
+        gate = RingMemoryGate(roomy, cast(Any, links[0]))
+        never = gate.decide(generate("never", 1000, 100_000), [], caches[0].nbytes)
+        assert isinstance(never, Refused) and never.refusal.never_fits
+        assert never.refusal.largest_max_tokens == (300_000 + entry_bytes) // 100 - 1000
+        # 3,000 tokens fit once two entries are out of the follower's memory.
+        fits = gate.decide(
+            generate("fits", 1000, 2000), [], caches[0].nbytes, caches[0].entries_to_free
+        )
+        assert isinstance(fits, Admitted) and fits.spill_entries == 2
+        gate.make_room(caches[0], fits)
+    finally:
+        links[0].send(Header(Op.SHUTDOWN))
+        thread.join(30)
+    assert not errors
+    assert caches[0].entry_ids() == caches[1].entry_ids()
+    assert len(caches[0].entry_ids()) == 1

@@ -87,13 +87,23 @@ def kv_bytes_per_token(card: ModelCard, backend: MlxBackend) -> int:
 
 
 def sequence_kv(
-    card: ModelCard, backend: MlxBackend, tokens: int, start: int = 0, end: int | None = None
+    card: ModelCard,
+    backend: MlxBackend,
+    tokens: int,
+    start: int = 0,
+    end: int | None = None,
+    tensor_ranks: int = 1,
 ) -> int:
     """Cache bytes one sequence of `tokens` tokens takes in layers [start, end)
     (all of them by default) on `backend`: a sliding-window layer keeps at most
-    its window, a recurrent layer its constant state."""
+    its window, a recurrent layer its constant state. With `tensor_ranks`, one
+    tensor rank's share (its heads': see `tensor_rank_kv`)."""
     dtype_bytes = _cache_dtype_bytes(backend)
-    return sum(_cache_reserve(cache, tokens, dtype_bytes) for cache in card.layer_caches[start:end])
+    total = 0
+    for cache in card.layer_caches[start:end]:
+        kv = _cache_reserve(cache, tokens, dtype_bytes)
+        total += kv if cache.kind == "latent" else -(-kv // tensor_ranks)
+    return total
 
 
 def kv_reserve_tokens(card: ModelCard) -> int:

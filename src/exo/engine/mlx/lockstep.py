@@ -15,7 +15,10 @@ call its serving loop makes:
   it refuses, e.g. an uncompilable constraint, is refused alike everywhere);
 - `CANCEL` (a task id); `STEP` before every step;
 - `DECIDE` for what only rank 0 can know mid-step: whether a request was
-  cancelled (`OneAtATime` asks between prefill chunks and tokens).
+  cancelled (`OneAtATime` asks between prefill chunks and tokens);
+- `ADMIT` and `SPILL` between steps, for memory admission: each rank puts its
+  own verdict on a task into `ADMIT` (its `admission`) and hands it on, back to
+  rank 0; `SPILL` moves as many prefix-cache entries out of memory on every rank.
 
 Everything else follows: the same tokens in, the same tokens drawn (from rank
 0's logits on tensor ranks, `tensor.RankZeroLogits`; by the last pipeline rank,
@@ -47,6 +50,7 @@ from exo.engine.mlx.ring import (
     PipelineFailure,
     ids_of,
     json_message,
+    raw_message,
 )
 from exo.engine.mlx.ring_agreements import (
     IDLE_SILENCE_SECONDS,
@@ -170,13 +174,17 @@ class _Cancel(BaseModel):
 
 class LockstepFollower:
     """Ranks 1..N-1: make rank 0's calls on this rank's own batch until rank 0
-    stops the ring."""
+    stops the ring. `admission`: this rank's memory admission, which puts its
+    verdict into an `ADMIT`'s payload (none: the payload goes on as it came)."""
 
-    def __init__(self, link: Link, batch: Batch) -> None:
+    def __init__(
+        self, link: Link, batch: Batch, admission: Callable[[bytes], bytes] | None = None
+    ) -> None:
         if link.rank == 0:
             raise PipelineError("rank 0 leads the lockstep; the others follow")
         self.link = link
         self.batch = batch
+        self.admission = admission
 
     def serve(
         self,
@@ -193,7 +201,7 @@ class LockstepFollower:
             was_idle = batch.idle
             timeout = IDLE_SILENCE_SECONDS if was_idle else STEP_SECONDS
             header, payload = link.recv(timeout, interrupt)
-            if header.op in (Op.ADD, Op.CANCEL, Op.STEP) and not link.is_last:
+            if header.op in (Op.ADD, Op.CANCEL, Op.STEP, Op.SPILL) and not link.is_last:
                 link.send(header, payload)
             match header.op:
                 case Op.HEARTBEAT | Op.SHUTDOWN:
@@ -209,6 +217,13 @@ class LockstepFollower:
                     answer_load(link, header, payload, batch.prefix_cache)
                 case Op.ADD if payload is not None:
                     self._add(LockstepTask.model_validate_json(np.array(payload).tobytes()))
+                case Op.ADMIT if payload is not None:  # on, to rank 0 from the last
+                    query = np.array(payload).tobytes()
+                    answer = query if self.admission is None else self.admission(query)
+                    link.send(*raw_message(Op.ADMIT, answer))
+                case Op.SPILL:
+                    if batch.prefix_cache is not None:
+                        batch.prefix_cache.spill_entries(header.value)
                 case Op.CANCEL if payload is not None:
                     batch.cancel(_Cancel.model_validate_json(np.array(payload).tobytes()).task_id)
                 case Op.STEP:

@@ -507,8 +507,25 @@ class KVPrefixCache:
         """Free at least `nbytes` of the memory tier (less when it holds less):
         least recently used entries go to the disk tier, when there is one, as
         evictions do. Returns the bytes freed."""
+        return self.spill_entries(self.entries_to_free(nbytes))
+
+    def entries_to_free(self, nbytes: int) -> int:
+        """How many of the least recently used entries hold at least `nbytes`
+        between them (all of them when they hold less): shared chunks count
+        where their last holder goes."""
+        footprints = {
+            i: EntryFootprint(e.last_used, e.chunks, e.own_nbytes) for i, e in self._entries.items()
+        }
+        budget = max(0, self.nbytes - nbytes)
+        return len(choose_evictions(footprints, self._chunks.sizes(), budget, False, None))
+
+    def spill_entries(self, count: int) -> int:
+        """Move the `count` least recently used entries out of memory (each agreed
+        with the other ranks, who spill as many); returns the bytes freed."""
         before = self.nbytes
-        while self._entries and before - self.nbytes < nbytes:
+        for _ in range(count):
+            if not self._entries:
+                break
             oldest = min(self._entries, key=lambda i: self._entries[i].last_used)
             for entry_id in self._agree([oldest]):
                 if entry_id in self._entries:

@@ -95,6 +95,9 @@ class Op(IntEnum):
     CANCEL = 19
     STEP = 20
     DECIDE = 21
+    # Memory admission on a split instance (`worker/runner/memory_admission.py`).
+    ADMIT = 22
+    SPILL = 23
 
 
 _DTYPES = (mx.float32, mx.float16, mx.bfloat16, mx.int32, mx.uint8)
@@ -112,7 +115,9 @@ class Header:
     # all of them can; TOKEN: the draw failed (the payload says why); ADDED, DECIDE:
     # rank 0's answer
     flag: int = 0
-    value: int = 0  # TOKEN: the token id; HELLO: the layer the next rank starts at
+    # TOKEN: the token id; HELLO: the layer the next rank starts at; SPILL: how
+    # many least recently used prefix-cache entries every rank moves out of memory
+    value: int = 0
     total: int = 0  # HELLO: the model's layer count
     rows: int = 0  # hidden states: the batch's rows (requests)
 
@@ -198,7 +203,11 @@ def sampled_of(header: Header, payload: mx.array | None) -> SampledToken:
 
 
 def json_message(op: Op, content: BaseModel) -> Message:
-    payload = mx.array(np.frombuffer(content.model_dump_json().encode(), dtype=np.uint8))
+    return raw_message(op, content.model_dump_json().encode())
+
+
+def raw_message(op: Op, content: bytes) -> Message:
+    payload = mx.array(np.frombuffer(content, dtype=np.uint8))
     return Header.for_payload(op, payload), payload
 
 

@@ -21,9 +21,16 @@ cache's memory tier. `memory_decision` then says, in order of preference:
   (`largest_max_tokens`).
 
 The decisions are pure (`memory_decision`, `largest_max_tokens`,
-`batch_kv`); `MemoryGate` is the runner's shell around them. Only a runner that
-holds the whole model applies it: on a split instance an eviction must be
-agreed by every rank, which rank 0's serving loop cannot ask for between steps.
+`batch_kv`); `MemoryGate` is the runner's shell around them: a `RankVerdict`
+of its own memory, turned into an answer for the serving loop.
+
+On a split instance every rank holds its part of every request's KV (its
+layers', or its heads'), next to its own weights and within its own machine's
+limit, so every rank judges: rank 0's `RingMemoryGate` sends the task's figures
+around the ring (`ADMIT`), each rank puts in its own verdict where it is worse
+(`worse`), and rank 0 answers by the worst. Where the prefix cache must spill,
+the ranks spill the same entries, as many as the tightest rank needs (`SPILL`:
+each drop agreed as evictions are), since all ranks keep the same entries.
 """
 
 import math
@@ -31,18 +38,23 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Literal, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import psutil
 from loguru import logger
 from mlx.utils import tree_flatten
 
 from exo.engine.mlx.backend import backend_name
 from exo.engine.mlx.generate import PREFILL_STEP_TOKENS
+from exo.engine.mlx.prefix_cache import KVPrefixCache
+from exo.engine.mlx.ring import Header, Link, Op, json_message
+from exo.engine.mlx.ring_agreements import STEP_SECONDS
 from exo.models.cards import ModelCardError, card_from_folder
 from exo.models.memory import sequence_kv
+from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import ModelId
 from exo.shared.types.model_card import ModelCard
 from exo.shared.types.state import MlxBackend
@@ -137,11 +149,18 @@ def largest_max_tokens(
 
 
 def request_kv(
-    card: ModelCard, backend: MlxBackend, prefill_chunk: int = PREFILL_STEP_TOKENS
+    card: ModelCard,
+    backend: MlxBackend,
+    prefill_chunk: int = PREFILL_STEP_TOKENS,
+    layers: tuple[int, int] | None = None,
+    tensor_ranks: int = 1,
 ) -> Callable[[int], int]:
     """Predicted KV bytes of one sequence of n tokens on a runner holding the
-    whole model, as mlx-lm allocates it: in steps of `KV_ALLOCATION_STEP`, a
-    sliding-window layer holding its window and a prefill chunk while it reads one."""
+    whole model (or `layers` of it, a pipeline rank; or a slice of every layer,
+    one of `tensor_ranks`), as mlx-lm allocates it: in steps of
+    `KV_ALLOCATION_STEP`, a sliding-window layer holding its window and a
+    prefill chunk while it reads one."""
+    start, end = layers if layers is not None else (0, None)
     caches = tuple(
         cache
         if cache.window is None
@@ -152,7 +171,7 @@ def request_kv(
 
     def kv_of(tokens: int) -> int:
         allocated = -(-tokens // KV_ALLOCATION_STEP) * KV_ALLOCATION_STEP
-        return sequence_kv(allocating, backend, allocated)
+        return sequence_kv(allocating, backend, allocated, start, end, tensor_ranks)
 
     return kv_of
 
@@ -166,9 +185,46 @@ def _mib(n: int) -> str:
     return f"{n} bytes ({n / _MIB:.1f} MiB)"
 
 
+class RankVerdict(FrozenModel):
+    """One rank's answer for a task, with the figures a refusal names."""
+
+    decision: Literal["fits", "wait", "never"]
+    needed: int  # KV bytes the task adds to the batch here
+    limit: int
+    weights: int
+    reserve: int
+    running: int  # the running requests' KV here
+    spill: int = 0  # fits: bytes of the prefix cache's memory tier to move out first
+    spill_entries: int = 0  # ... as that many least recently used entries
+    alone: int = 0  # KV bytes of the task's whole sequence, alone
+    largest_max_tokens: int = 0  # the largest max_tokens that fits here alone
+
+    @property
+    def capacity(self) -> int:
+        return self.limit - self.weights - self.reserve
+
+
+_SEVERITY = {"fits": 0, "wait": 1, "never": 2}
+
+
+def worse(mine: RankVerdict, theirs: RankVerdict) -> RankVerdict:
+    """Of two ranks' verdicts, the one that decides: the worse decision; of two
+    refusals the one with less room; of two admissions the one spilling more
+    entries (the ranks spill alike)."""
+    if _SEVERITY[mine.decision] != _SEVERITY[theirs.decision]:
+        return mine if _SEVERITY[mine.decision] > _SEVERITY[theirs.decision] else theirs
+    if mine.decision == "fits":
+        return mine if mine.spill_entries > theirs.spill_entries else theirs
+    if mine.decision == "never":
+        return mine if mine.largest_max_tokens < theirs.largest_max_tokens else theirs
+    mine_free, theirs_free = mine.capacity - mine.running, theirs.capacity - theirs.running
+    return mine if mine_free < theirs_free else theirs
+
+
 @dataclass(frozen=True)
 class Admitted:
     spill: int  # bytes of the prefix cache to move out before it starts
+    spill_entries: int = 0  # ... as that many least recently used entries
 
 
 @dataclass(frozen=True)
@@ -208,38 +264,79 @@ class MemoryGate:
         # The task first in line that waits for memory, and since when.
         self._waiting: tuple[str, float] | None = None
 
-    def room(self, running: Sequence[Generate], cached: int) -> MemoryRoom:
-        lengths = [sequence_length(task) for task in running]
-        return MemoryRoom(
-            self.limit, self.weights, self.reserve, batch_kv(lengths, self.kv_of), cached
+    def verdict(
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        running: Sequence[int],
+        cached: int,
+        entries_to_free: Callable[[int], int] = lambda nbytes: 0,
+    ) -> RankVerdict:
+        """This rank's verdict on a task of `prompt_tokens` + `max_tokens` beside
+        running sequences of `running` tokens (their whole lengths) and a prefix
+        cache of `cached` bytes in memory (`entries_to_free`: how many of its
+        entries hold so many bytes)."""
+        length = prompt_tokens + max_tokens
+        room = MemoryRoom(
+            self.limit, self.weights, self.reserve, batch_kv(running, self.kv_of), cached
         )
+        needed = batch_kv([*running, length], self.kv_of) - room.running
+        decision = memory_decision(needed, room)
+        spill = decision.spill if isinstance(decision, Fits) else 0
+        return RankVerdict(
+            decision="fits" if isinstance(decision, Fits) else
+            "wait" if isinstance(decision, WaitForMemory) else "never",
+            needed=needed,
+            limit=self.limit,
+            weights=self.weights,
+            reserve=self.reserve,
+            running=room.running,
+            spill=spill,
+            spill_entries=entries_to_free(spill) if spill > 0 else 0,
+            alone=self.kv_of(length),
+            largest_max_tokens=largest_max_tokens(
+                prompt_tokens, max_tokens, room.capacity, self.kv_of
+            ),
+        )  # fmt: skip
 
-    def needed(self, task: Generate, running: Sequence[Generate]) -> int:
-        """What `task` adds to the batch's predicted KV."""
+    def decide(
+        self,
+        task: Generate,
+        running: Sequence[Generate],
+        cached: int,
+        entries_to_free: Callable[[int], int] = lambda nbytes: 0,
+    ) -> GateAnswer:
         lengths = [sequence_length(t) for t in running]
-        with_it = batch_kv([*lengths, sequence_length(task)], self.kv_of)
-        return with_it - batch_kv(lengths, self.kv_of)
+        verdict = self.verdict(
+            len(task.tokens), task.params.max_tokens, lengths, cached, entries_to_free
+        )
+        return self.answer(task, verdict)
 
-    def decide(self, task: Generate, running: Sequence[Generate], cached: int) -> GateAnswer:
-        room = self.room(running, cached)
-        needed = self.needed(task, running)
-        match memory_decision(needed, room):
-            case Fits(spill=spill):
+    def answer(self, task: Generate, verdict: RankVerdict) -> GateAnswer:
+        """The serving loop's answer for `task` by `verdict` (its own, or the
+        ranks' worst), waiting a bounded time."""
+        match verdict.decision:
+            case "fits":
                 self._waiting = None
-                return Admitted(spill)
-            case WaitForMemory():
+                return Admitted(verdict.spill, verdict.spill_entries)
+            case "wait":
                 now = self._clock()
                 if self._waiting is None or self._waiting[0] != task.task_id:
                     self._waiting = (task.task_id, now)  # a new task first in line
                 if now - self._waiting[1] < self.wait_seconds:
                     return Waiting()
                 self._waiting = None
-                return self._busy(task, needed, room)
-            case NeverFits():
+                return self._busy(task, verdict)
+            case "never":
                 self._waiting = None
-                return self._never(task, room)
+                return self._never(task, verdict)
 
-    def _busy(self, task: Generate, needed: int, room: MemoryRoom) -> Refused:
+    def make_room(self, cache: KVPrefixCache, admitted: Admitted) -> int:
+        """Spill what `admitted` asks of the prefix cache; the bytes freed."""
+        return cache.spill(admitted.spill)
+
+    def _busy(self, task: Generate, verdict: RankVerdict) -> Refused:
+        room, needed = verdict, verdict.needed
         free = room.capacity - room.running  # the prefix cache would have spilled
         retry = max(
             RETRY_AFTER_MIN_SECONDS, min(RETRY_AFTER_MAX_SECONDS, math.ceil(self.wait_seconds))
@@ -259,10 +356,9 @@ class MemoryGate:
         )
         return Refused(refusal, message)
 
-    def _never(self, task: Generate, room: MemoryRoom) -> Refused:
+    def _never(self, task: Generate, verdict: RankVerdict) -> Refused:
         prompt, max_tokens = len(task.tokens), task.params.max_tokens
-        needed = self.kv_of(prompt + max_tokens)
-        largest = largest_max_tokens(prompt, max_tokens, room.capacity, self.kv_of)
+        room, needed, largest = verdict, verdict.alone, verdict.largest_max_tokens
         figures = (
             f"its KV cache needs {_mib(needed)} for {prompt} prompt tokens + max_tokens "
             f"{max_tokens}, and at most {_mib(max(room.capacity, 0))} are free for it with "
@@ -281,6 +377,75 @@ class MemoryGate:
             largest_max_tokens=largest,
         )
         return Refused(refusal, f"this request can never fit in memory: {figures}; {advice}")
+
+
+class AdmitQuery(FrozenModel):
+    """An `ADMIT`'s payload: a task's figures and the worst verdict so far."""
+
+    prompt_tokens: int
+    max_tokens: int
+    running: list[int]  # the running requests' whole lengths
+    verdict: RankVerdict
+
+
+class RingMemoryGate:
+    """Rank 0's gate on a split instance: its own verdict and every other rank's
+    (`ADMIT` around the ring), answered by the worst; spills on every rank alike
+    (`SPILL`). The other ranks answer with `RankAdmission`."""
+
+    def __init__(self, gate: MemoryGate, link: Link) -> None:
+        self.gate = gate
+        self._link = link
+
+    def decide(
+        self,
+        task: Generate,
+        running: Sequence[Generate],
+        cached: int,
+        entries_to_free: Callable[[int], int] = lambda nbytes: 0,
+    ) -> GateAnswer:
+        lengths = [sequence_length(t) for t in running]
+        prompt, max_tokens = len(task.tokens), task.params.max_tokens
+        mine = self.gate.verdict(prompt, max_tokens, lengths, cached, entries_to_free)
+        query = AdmitQuery(
+            prompt_tokens=prompt, max_tokens=max_tokens, running=lengths, verdict=mine
+        )
+        self._link.send(*json_message(Op.ADMIT, query))
+        _, payload = self._link.expect(Op.ADMIT, STEP_SECONDS)
+        if payload is None:
+            raise ValueError("ADMIT came back without the ranks' verdict")
+        worst = AdmitQuery.model_validate_json(np.array(payload).tobytes()).verdict
+        return self.gate.answer(task, worst)
+
+    def make_room(self, cache: KVPrefixCache, admitted: Admitted) -> int:
+        self._link.send(Header(Op.SPILL, value=admitted.spill_entries))
+        return cache.spill_entries(admitted.spill_entries)
+
+
+class RankAdmission:
+    """A follower rank's part of `RingMemoryGate`: its verdict, where worse, put
+    into an `ADMIT` (`lockstep.LockstepFollower` hands it on)."""
+
+    def __init__(self, gate: MemoryGate, cache: KVPrefixCache | None) -> None:
+        self.gate = gate
+        self._cache = cache
+
+    def __call__(self, payload: bytes) -> bytes:
+        query = AdmitQuery.model_validate_json(payload)
+        cache = self._cache
+        mine = self.gate.verdict(
+            query.prompt_tokens,
+            query.max_tokens,
+            query.running,
+            cache.nbytes if cache is not None else 0,
+            cache.entries_to_free if cache is not None else lambda nbytes: 0,
+        )
+        worst = worse(mine, query.verdict)
+        return query.model_copy(update={"verdict": worst}).model_dump_json().encode()
+
+
+# What the serving loop asks: a whole model's gate, or rank 0's of a split instance.
+Gate = MemoryGate | RingMemoryGate
 
 
 @dataclass(frozen=True)
@@ -317,22 +482,28 @@ def weights_nbytes(model: nn.Module) -> int:
 
 
 def memory_gate(
-    model: nn.Module, model_dir: Path, settings: MemorySettings, other_weights: int = 0
+    weights: int,
+    model_dir: Path,
+    settings: MemorySettings,
+    layers: tuple[int, int] | None = None,
+    tensor_ranks: int = 1,
 ) -> MemoryGate | None:
-    """The gate of a runner holding the whole `model` (loaded from `model_dir`)
-    and `other_weights` bytes beside it (a vision tower, a draft model); None, with a warning,
-    when the model's folder gives no card to predict from."""
+    """The gate of a runner holding `weights` bytes (its part of the model in
+    `model_dir`: the whole model, or `layers` of it on a pipeline rank, or one
+    of `tensor_ranks` slices, and what it holds beside: a vision tower, a draft
+    model); None, with a warning, when the model's folder gives no card to
+    predict from."""
     try:
         card = card_from_folder(ModelId(model_dir.name), model_dir)
     except ModelCardError as error:
         logger.warning(f"memory admission is off: no model card to predict KV bytes ({error})")
         return None
-    kv_of = request_kv(card, backend_name())
+    kv_of = request_kv(card, backend_name(), layers=layers, tensor_ranks=tensor_ranks)
     limit = settings.limit if settings.limit is not None else machine_memory_limit()
     gate = MemoryGate(
         kv_of,
         limit=limit,
-        weights=weights_nbytes(model) + other_weights,
+        weights=weights,
         wait_seconds=settings.wait_seconds,
     )
     logger.info(

@@ -131,18 +131,19 @@ def _serve(
     # Most of a runner's start before it loads (MLX, mlx_lm, transformers).
     logger.info(f"imported MLX and mlx_lm in {time.monotonic() - started:.1f}s")
     runner = Runner(out, inbox, speculation=speculation)
+    from exo.worker.runner.memory_admission import memory_settings
+
+    memory = memory_settings(os.environ)  # `--memory-limit-bytes` from the node
     if layers is None:
-        from exo.worker.runner.memory_admission import memory_settings
         from exo.worker.runner.whole_model import serve_whole_model
 
-        memory = memory_settings(os.environ)  # `--memory-limit-bytes` from the node
         serve_whole_model(runner, model_dir, prefix_cache_bytes, disk, memory, draft_model_dir)
     else:
         if draft_model_dir is not None:
             raise ValueError("only a runner of the whole model drafts with a draft model")
         from exo.worker.runner.split_rank import serve_split_rank
 
-        serve_split_rank(runner, model_dir, prefix_cache_bytes, layers, disk, tensor)
+        serve_split_rank(runner, model_dir, prefix_cache_bytes, layers, disk, tensor, memory)
 
 
 def _send_status(out: IO[str], status: StatusChanged) -> None:

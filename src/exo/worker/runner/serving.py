@@ -29,7 +29,7 @@ from exo.engine.mlx.ring import PipelineFailure
 from exo.shared.types.ids import TaskId
 from exo.shared.types.tasks import SampledLogprobs
 from exo.worker.runner.inbox import Inbox
-from exo.worker.runner.memory_admission import Admitted, MemoryGate, Refused, Waiting
+from exo.worker.runner.memory_admission import Admitted, Gate, Refused, Waiting
 from exo.worker.runner.protocol import (
     CacheStatsReport,
     FromRunner,
@@ -55,7 +55,7 @@ class Runner:
         self.inbox = inbox
         self.speculation = speculation
         # Memory admission, once the model is loaded (None: every task starts).
-        self.memory: MemoryGate | None = None
+        self.memory: Gate | None = None
 
     def send(self, message: FromRunner, flush: bool = True) -> None:
         """Write `message`; `flush=False` leaves it buffered for a later send or
@@ -129,7 +129,8 @@ class Runner:
                 return self.inbox.take()
             cache = batch.prefix_cache
             running = list(self.inbox.taken.values())
-            match self.memory.decide(task, running, cache.nbytes if cache is not None else 0):
+            cached, to_free = (cache.nbytes, cache.entries_to_free) if cache else (0, lambda n: 0)
+            match self.memory.decide(task, running, cached, to_free):
                 case Waiting():
                     return None
                 case Refused(refusal=refusal, message=message):
@@ -137,9 +138,9 @@ class Runner:
                     self.inbox.end(task.task_id)
                     logger.info(f"task {task.task_id} refused: {message}")
                     self.send(TaskFailed(task_id=task.task_id, error=message, memory=refusal))
-                case Admitted(spill=spill):
+                case Admitted(spill=spill) as admitted:
                     if spill > 0 and cache is not None:
-                        cache.spill(spill)
+                        self.memory.make_room(cache, admitted)
                         self.report_cache(cache)
                     return self.inbox.take()
         return None

@@ -9,7 +9,8 @@ times differ: the handshake waits for the slowest), agrees with the others
 rank holds) and warms up with them (the warm-up's forward passes cross the
 ring). Then every rank runs the whole-model serving machinery on its part:
 rank 0 takes the node's tasks and leads, with heartbeats and disk writes while
-idle; the others follow it and fail any task sent to them by mistake. Rank 0
+idle; the others follow it and fail any task sent to them by mistake. Memory
+admission asks every rank (`memory_admission.RingMemoryGate`). Rank 0
 stops when the node says so and stops the others (`SHUTDOWN` around the ring);
 a follower stops at whichever comes first. A clean stop writes what the prefix
 cache has not on disk yet (the next start's agreement drops what another rank
@@ -55,6 +56,14 @@ from exo.engine.mlx.warm_up import warm_up
 from exo.shared.types.shard import LayerRange
 from exo.worker.runner.cache_policy import may_persist, memory_pressure
 from exo.worker.runner.inbox import StopRequested
+from exo.worker.runner.memory_admission import (
+    MemoryGate,
+    MemorySettings,
+    RankAdmission,
+    RingMemoryGate,
+    memory_gate,
+    weights_nbytes,
+)
 from exo.worker.runner.protocol import StatusChanged
 from exo.worker.runner.serving import Runner
 
@@ -72,6 +81,8 @@ class _Rank:
     # image token (every rank reads image keys as it).
     vision: VisionEncoder | None = None
     image_placeholder: int | None = None
+    # This rank's memory admission (`memory_admission.py`); None: off.
+    memory: MemoryGate | None = None
 
 
 def serve_split_rank(
@@ -81,11 +92,13 @@ def serve_split_rank(
     layers: LayerRange,
     disk: tuple[Path, int] | None,
     tensor: bool,
+    memory: MemorySettings | None = None,
 ) -> None:
     """Join the ring and load this rank's part (`layers` of a pipeline, or with
-    `tensor` a slice of every layer), then lead (rank 0) or follow until stopped."""
+    `tensor` a slice of every layer), then lead (rank 0) or follow until stopped;
+    with `memory`, a task starts only when its KV fits on every rank."""
     try:
-        rank = _join(runner, model_dir, prefix_cache_bytes, layers, disk, tensor)
+        rank = _join(runner, model_dir, prefix_cache_bytes, layers, disk, tensor, memory)
     except StopRequested:  # stopped before the ring served: nothing to undo
         return
     runner.ready(rank.cache)
@@ -102,6 +115,7 @@ def _join(
     layers: LayerRange,
     disk: tuple[Path, int] | None,
     tensor: bool,
+    memory: MemorySettings | None = None,
 ) -> _Rank:
     started = time.monotonic()
     link = join_ring(interrupt=runner.inbox.drain)
@@ -114,10 +128,14 @@ def _join(
     tokenizer = load_model_tokenizer(model_dir)
     # A tensor-split instance reads text only (the node refuses images for it).
     vision, placeholder = None, None if tensor else vision_placeholder(model_dir)
+    gate: MemoryGate | None = None
     if tensor:
         local = LocalModel(load_tensor_rank(model_dir, link.group), tokenizer)
         whole_caches = local.make_cache()  # every rank holds every layer's kind
         namespace = cache_namespace(model_dir, None, (link.rank, link.size))
+        if memory is not None:
+            weights = weights_nbytes(local.model)
+            gate = memory_gate(weights, model_dir, memory, tensor_ranks=link.size)
     else:
         shard = load_shard(model_dir, layers)
         positions = install_multimodal_rope(shard.model, load_config(model_dir))
@@ -129,6 +147,9 @@ def _join(
             # (Where this rank does not hold every layer that adds Qwen3-VL's
             # deepstack features, the node sends no images: `image_prompts_for`.)
             vision = VisionEncoder(model_dir, shard.model)
+        if memory is not None:
+            weights = shard.weight_bytes + (vision.nbytes if vision is not None else 0)
+            gate = memory_gate(weights, model_dir, memory, layers=(layers.start, layers.end))
     local.eager_rows = LOCKSTEP_EAGER_ROWS
     logger.info(
         f"loaded {'a slice of every layer' if tensor else layers} (peak "
@@ -156,7 +177,7 @@ def _join(
     elif cache is not None and tier is not None:
         logger.warning(f"prefix cache: another {kind} rank keeps no disk tier: none is used")
         cache.detach_disk()
-    return _Rank(link, local, cache, whole_caches, vision, placeholder)
+    return _Rank(link, local, cache, whole_caches, vision, placeholder, gate)
 
 
 def _batch(
@@ -193,6 +214,8 @@ def _lead(runner: Runner, rank: _Rank) -> None:
     inner = _batch(
         rank, lambda task_id: decide(lambda: runner.is_cancelled(task_id)), runner.report_progress
     )
+    if rank.memory is not None:  # every rank judges a task's memory (`ADMIT`)
+        runner.memory = RingMemoryGate(rank.memory, rank.link)
     try:
         runner.serve(LockstepBatch(inner, rank.link), keep_alive)
     except StopRequested:  # the node stops the instance: rank 0 stops the ring
@@ -206,7 +229,9 @@ def _follow(runner: Runner, rank: _Rank) -> None:
     """Ranks > 0: make rank 0's calls until it stops the ring, or the node stops
     this rank first."""
     cache, decide = rank.cache, Decisions(rank.link)
-    follower = LockstepFollower(rank.link, _batch(rank, lambda task_id: decide(lambda: False)))
+    admission = RankAdmission(rank.memory, cache) if rank.memory is not None else None
+    batch = _batch(rank, lambda task_id: decide(lambda: False))
+    follower = LockstepFollower(rank.link, batch, admission)
     # The node's word may come before rank 0's `SHUTDOWN`: as clean a stop.
     with suppress(StopRequested):
         follower.serve(

@@ -21,7 +21,7 @@ from exo.engine.mlx.vision import VisionEncoder, vision_placeholder
 from exo.engine.mlx.warm_up import warm_up
 from exo.worker.runner.cache_policy import may_persist, memory_pressure
 from exo.worker.runner.inbox import StopRequested
-from exo.worker.runner.memory_admission import MemorySettings, memory_gate
+from exo.worker.runner.memory_admission import MemorySettings, memory_gate, weights_nbytes
 from exo.worker.runner.serving import Runner
 
 
@@ -68,7 +68,7 @@ def serve_whole_model(
     batch = _batch(runner, generator, caches, draft)
     if memory is not None:
         beside = (vision.nbytes if vision is not None else 0) + (draft.nbytes if draft else 0)
-        runner.memory = memory_gate(model, model_dir, memory, beside)
+        runner.memory = memory_gate(weights_nbytes(model) + beside, model_dir, memory)
     runner.ready(cache)
     try:
         runner.serve(batch, keep_alive=lambda: _persist_while_idle(runner, cache))
