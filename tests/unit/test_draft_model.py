@@ -56,7 +56,7 @@ def _replies(
     batch = ContinuousBatcher(generator, speculate=speculate, draft_model=draft)
     prompt = _prompt(tokenizer)
     for n in range(rows):  # replies of different lengths: the batch shrinks as they end
-        batch.add(f"r{n}", prompt, GenerationParams(max_tokens=40 + 5 * n, temperature=0))
+        batch.add(f"r{n}", prompt, GenerationParams(max_tokens=32 + 6 * n, temperature=0))
     outputs = drain(batch)
     replies: list[Finished | str] = []
     for n in range(rows):
@@ -75,16 +75,14 @@ def _usages(replies: list[Finished | str]) -> list[Finished]:
     return [reply for reply in replies if isinstance(reply, Finished)]
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_the_served_model_drafting_for_itself_has_its_drafts_taken(
-    smollm: Loaded, rows: int
-) -> None:
-    plain = _replies(smollm, None, rows, speculate=False)
-    drafted = _replies(smollm, DraftModel(smollm[0], "itself"), rows)
+def test_the_served_model_drafting_for_itself_has_its_drafts_taken(smollm: Loaded) -> None:
+    """Alone and beside another request (replies of different lengths)."""
+    plain = _replies(smollm, None, 2, speculate=False)
+    drafted = _replies(smollm, DraftModel(smollm[0], "itself"), 2)
     assert _texts(drafted) == _texts(plain)
     for finished in _usages(drafted):
         usage = finished.usage
-        assert usage.drafted_tokens >= 20
+        assert usage.drafted_tokens >= 16
         # Its greedy tokens are the served model's (up to float rounding).
         assert usage.accepted_draft_tokens >= 0.9 * usage.drafted_tokens
 

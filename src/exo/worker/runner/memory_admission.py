@@ -205,6 +205,11 @@ class RankVerdict(FrozenModel):
 
 
 _SEVERITY = {"fits": 0, "wait": 1, "never": 2}
+_DECISION_NAMES: dict[type, Literal["fits", "wait", "never"]] = {
+    Fits: "fits",
+    WaitForMemory: "wait",
+    NeverFits: "never",
+}
 
 
 def worse(mine: RankVerdict, theirs: RankVerdict) -> RankVerdict:
@@ -284,8 +289,7 @@ class MemoryGate:
         decision = memory_decision(needed, room)
         spill = decision.spill if isinstance(decision, Fits) else 0
         return RankVerdict(
-            decision="fits" if isinstance(decision, Fits) else
-            "wait" if isinstance(decision, WaitForMemory) else "never",
+            decision=_DECISION_NAMES[type(decision)],
             needed=needed,
             limit=self.limit,
             weights=self.weights,
@@ -297,7 +301,7 @@ class MemoryGate:
             largest_max_tokens=largest_max_tokens(
                 prompt_tokens, max_tokens, room.capacity, self.kv_of
             ),
-        )  # fmt: skip
+        )
 
     def decide(
         self,
