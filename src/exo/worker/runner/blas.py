@@ -104,7 +104,8 @@ def openblas_runs(library: str, library_path: str) -> bool:
         why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         if code == -signal.SIGILL:
             why += ": it uses instructions this CPU lacks (AVX-512)"
-    logger.warning(f"OpenBLAS {library} fails on this machine ({why})")
+    # (A warning only where no OpenBLAS works: `_no_openblas`.)
+    logger.info(f"OpenBLAS {library} fails on this machine ({why}): not used")
     return False
 
 
