@@ -98,7 +98,18 @@ def generation_failed(reason: str) -> APIError:
 async def render(model: ServedModel, request: ChatRequest, *, fetch_images: bool) -> ChatPrompt:
     """The request's prompt tokens (volatile text removed first), or a 400.
     Its images are fetched (`fetch_images`: from http(s) addresses too) and
-    decoded first; a model that takes none answers 400 naming it."""
+    decoded first; a model that takes none answers 400 naming it. The last
+    prompt is kept: routing among replicas renders a request before it is
+    answered, which renders it again (a 50k-token prompt is ~0.1 s of work)."""
+    last = model.last_prompt
+    if last is not None and last[0] == request:
+        return last[1]
+    prompt = await _render(model, request, fetch_images=fetch_images)
+    model.last_prompt = (request, prompt)
+    return prompt
+
+
+async def _render(model: ServedModel, request: ChatRequest, *, fetch_images: bool) -> ChatPrompt:
     pictures: list[Picture] = []
     if request_images(request):
         if isinstance(model.images, str):

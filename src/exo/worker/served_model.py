@@ -1,10 +1,12 @@
 """A model this node serves: the first rank's runner and what the API needs with it."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from exo.models.chat_tokenizer import ChatTokenizer
 from exo.models.sampling_defaults import SamplingDefaults
 from exo.models.vision import ImagePrompts
+from exo.shared.types.chat import ChatRequest
 from exo.shared.types.ids import ModelId
 from exo.worker.runner.supervisor import RunnerSupervisor
 
@@ -27,6 +29,9 @@ class ServedModel:
     # (`models/draft_models.py`); both None without one.
     draft_model: ModelId | None = None
     draft_refused: str | None = None
+    # The last request the API rendered, and its prompt (`api.generation.render`:
+    # an `api.chat_prompt.ChatPrompt`, which this layer does not import).
+    last_prompt: tuple[ChatRequest, Any] | None = None
 
     @property
     def vocabulary_size(self) -> int:
