@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 VIEWPORT: ViewportSize = {"width": 1280, "height": 820}
 ANSWER_MS = 60_000
+END_OF_TEXT_TOKENS = (0, 2)  # the built-in model's <|endoftext|> and <|im_end|>
 HOSTILE = "<img src=x onerror=alert(1)>"
 CODE = 'def greet(name):\n    # say hello\n    return "hi " + name * 2\n'
 # The last answer of the conversation in use, as the browser keeps it.
@@ -232,8 +233,11 @@ def test_esc_stops_an_answer_the_log_does_not_drag_back(chat: Chat) -> None:
     # Enough in the log that it scrolls.
     page.evaluate("""() => { const t = document.querySelector('.turn.user .text');
         t.textContent += '\\nline'.repeat(60); }""")
-    # A sampled story may end before the checks below: the user asks again then.
-    for _ in range(3):
+    # The model (temperature 0.2) may end a story within seconds on some CPUs:
+    # the browser's request is sent on with its end-of-text tokens barred, so the
+    # answer still streams when the user scrolls up and presses Esc.
+    page.route("**/v1/chat/completions", _never_ending)
+    try:
         chat.ask("Tell me a long story about a lighthouse keeper and a storm.", 2000)
         answer = chat.answer()
         expect(answer.locator(".text")).not_to_be_empty(timeout=ANSWER_MS)
@@ -242,22 +246,24 @@ def test_esc_stops_an_answer_the_log_does_not_drag_back(chat: Chat) -> None:
         page.wait_for_function("document.getElementById('chat-log').scrollTop === 0")
         grown = answer.locator(".text").text_content() or ""
         page.wait_for_function(
-            """n => { const answer = document.querySelector('.turn.assistant:last-child');
-                return answer.dataset.outcome !== 'streaming'
-                    || answer.querySelector('.text').textContent.length > n; }""",
+            "n => document.querySelector('.turn.assistant:last-child .text').textContent.length > n",
             arg=len(grown),
             timeout=ANSWER_MS,
         )
-        if answer.get_attribute("data-outcome") == "streaming":
-            break
-    else:
-        pytest.fail("every answer ended before the user scrolled up")
+    finally:
+        page.unroute("**/v1/chat/completions", _never_ending)
     assert page.evaluate("document.getElementById('chat-log').scrollTop") == 0
     page.keyboard.press("Escape")
     expect(answer).to_have_attribute("data-outcome", "stopped")
     expect(answer.locator(".meta")).to_have_text(re.compile(r"^stopped · \d+ tokens?"))
     expect(page.locator("#chat-text")).to_be_focused()
     expect(page.locator("#chat-send")).to_be_visible()
+
+
+def _never_ending(route: Route) -> None:
+    body = json.loads(route.request.post_data or "{}")
+    body["logit_bias"] = {str(token): -100 for token in END_OF_TEXT_TOKENS}
+    route.continue_(post_data=json.dumps(body))
 
 
 def test_conversations_are_kept_across_a_reload(chat: Chat) -> None:
