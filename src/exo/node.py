@@ -19,6 +19,7 @@ from exo.api.model_alias import ModelAlias
 from exo.api.ollama_routes import with_ollama_root
 from exo.api.reply_retry import DEFAULT_RETRY_SECONDS
 from exo.api.routing import RoutingPolicy
+from exo.api.routing_tokenizers import RoutingTokenizers
 from exo.cluster.discovery import MdnsDiscovery, default_advertised_addresses
 from exo.cluster.link import ClusterLink
 from exo.cluster.timing import LinkTiming
@@ -42,6 +43,7 @@ from exo.shared.types.events import (
 from exo.shared.types.ids import InstanceId, ModelId, NodeId, new_instance_id
 from exo.shared.types.state import InstanceRank
 from exo.worker.downloads.disk_space import DiskSpace
+from exo.worker.downloads.sources import model_sources
 from exo.worker.telemetry import read_telemetry, telemetry_changed
 from exo.worker.worker import Worker, publish_local_models
 
@@ -382,6 +384,19 @@ async def _run_node(config: NodeConfig) -> None:
         group.start_soon(_watch_model_folders, link, models, publish_models)
         if worker is not None:
             group.start_soon(worker.run)
+        served = worker.served if worker else {}
+        routing_tokenizers = RoutingTokenizers(
+            link,
+            served,
+            models,
+            config.data_dir / "routing-tokenizers",
+            lambda model_id: model_sources(
+                link.state, model_id, node_id, config.cluster_secret, certificate
+            ),
+            DiskSpace(config.min_free_disk_bytes),
+        )
+        if socks and config.routing == "cache-aware":
+            group.start_soon(routing_tokenizers.run)
         try:
             if socks:
                 access = APIAccess.for_bind(config.host, config.api_key)
@@ -391,7 +406,7 @@ async def _run_node(config: NodeConfig) -> None:
                         "network: set --api-key, or --host 127.0.0.1 to keep it on this machine"
                     )
                 app = create_app(
-                    worker.served if worker else {},
+                    served,
                     link,
                     config.sse_keepalive_seconds,
                     worker.delete_model_files if worker else None,
@@ -401,6 +416,7 @@ async def _run_node(config: NodeConfig) -> None:
                     routing=config.routing,
                     retry_seconds=config.retry_seconds,
                     fetch_images=config.fetch_images,
+                    routing_model=routing_tokenizers.get,
                 )
                 served = (
                     app if config.ollama_port is None else with_ollama_root(app, config.ollama_port)

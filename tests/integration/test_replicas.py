@@ -1,6 +1,7 @@
 """Two replicas of the built-in model on two real nodes: a session keeps hitting
-its own replica's prefix cache whichever node's API receives its turns, and
-goes to the other replica when its own node freezes."""
+its own replica's prefix cache whichever node's API receives its turns (a
+third node serving none of them included), and goes to the other replica when
+its own node freezes."""
 
 import random
 import re
@@ -153,10 +154,37 @@ def test_the_dashboard_groups_the_replicas_under_their_model(replicas: Cluster) 
         assert errors.seen == []
 
 
+def test_a_node_without_a_replica_routes_each_session_to_its_cache(
+    replicas: Cluster, tmp_path: Path
+) -> None:
+    """A node that serves no replica (an API-only node, its models directory
+    empty) fetches the model's tokenizer from a peer and routes by cache too."""
+    a, b = replicas.nodes[:2]
+    c = replicas.start(2, *KEEPALIVE, models_dir=tmp_path / "no-models")
+    wait_until(lambda: agreed(replicas.nodes), 60, "three nodes agreeing")
+    ready = f"routing {DEFAULT_MODEL_ID}'s requests by cache: its tokenizer from peer"
+    wait_until(lambda: ready in c.log(), 60, "the tokenizer fetched from a peer")
+    # Each session begins on its own node's replica (nothing cached anywhere yet).
+    sessions = [Session(10), Session(11)]
+    sessions[0].turn(a)
+    sessions[1].turn(b)
+    for _ in range(2):
+        for session in sessions:
+            session.turn(c)
+    for session in sessions:
+        for turn in (1, 2):
+            reusable = session.prompt_tokens[turn - 1]
+            assert session.cached_tokens[turn] >= 0.95 * reusable, (
+                f"session {session.number} turn {turn}: {session.cached_tokens[turn]} of "
+                f"{reusable} tokens cached"
+            )
+    assert routed(c, "cache", "remote") == 4
+
+
 def test_sessions_keep_their_cache_whichever_node_receives_them_and_move_when_it_freezes(
     replicas: Cluster,
 ) -> None:
-    a, b = replicas.nodes
+    a, b = replicas.nodes[:2]
     sessions = [Session(n) for n in range(2)]
     for turn in range(3):
         for session in sessions:

@@ -13,6 +13,7 @@ from exo.api.generation import count_prompt_tokens, prepare_reply
 from exo.api.reply_retry import ReplyRetry
 from exo.api.serving import ModelRouter, Relay, relay, sse_response, until_disconnect
 from exo.shared.types.chat import ChatRequest
+from exo.shared.types.ids import ModelId
 from exo.worker.served_model import ServedModel
 
 _ID_CHARACTERS = string.ascii_letters + string.digits
@@ -28,11 +29,11 @@ def anthropic_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter
 
     @routes.post("/v1/messages", response_model=None)
     async def messages(body: MessagesRequest, request: Request) -> Response | dict[str, object]:
-        def chat_for(model: ServedModel) -> ChatRequest:
-            return anthropic.to_chat_request(body).model_copy(update={"model": model.model_id})
+        def chat_for(model_id: ModelId) -> ChatRequest:
+            return anthropic.to_chat_request(body).model_copy(update={"model": model_id})
 
         async def answer(model: ServedModel, retry: ReplyRetry) -> Response | dict[str, object]:
-            chat = chat_for(model)
+            chat = chat_for(model.model_id)
             reply = await prepare_reply(
                 model,
                 chat,

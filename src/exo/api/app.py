@@ -26,6 +26,7 @@ from exo.api.openai_routes import openai_routes
 from exo.api.reply_retry import DEFAULT_RETRY_SECONDS
 from exo.api.responses_routes import responses_routes
 from exo.api.routing import RoutingPolicy
+from exo.api.routing_tokenizers import RoutingModel
 from exo.api.serving import ModelRouter, relay_read_timeout
 from exo.shared.cluster_view import ClusterView
 from exo.shared.event_store import now_ms
@@ -60,6 +61,7 @@ def create_app(
     routing: RoutingPolicy = "cache-aware",
     retry_seconds: float = DEFAULT_RETRY_SECONDS,
     fetch_images: bool = True,
+    routing_model: Callable[[ModelId], RoutingModel | None] = lambda model_id: None,
 ) -> FastAPI:
     app = FastAPI(title="exo", version="0.1.0")
     install_error_handlers(app)
@@ -88,6 +90,7 @@ def create_app(
         slots=limits.max_concurrent,
         retry_seconds=retry_seconds,
         fetch_images=fetch_images,
+        routing_model=routing_model,
     )
     app.include_router(openai_routes(router, keepalive_seconds))
     app.include_router(anthropic_routes(router, keepalive_seconds))

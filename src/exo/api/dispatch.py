@@ -41,7 +41,7 @@ async def dispatch(
     router: ModelRouter,
     name: str,
     request: Request,
-    chat_for: Callable[[ServedModel], ChatRequest],
+    chat_for: Callable[[ModelId], ChatRequest],
     answer: Callable[[ServedModel, ReplyRetry], Awaitable[T]],
 ) -> T | Response:
     """`answer` with this node's model, or the request relayed to the replica
@@ -74,12 +74,15 @@ async def dispatch(
             if not replicas:
                 router.not_served(name, model_id)
             digests = None
-            if len(replicas) > 1 and local is not None and router.policy == "cache-aware":
-                chat = chat_for(local)
-                check_prompt_size(local, chat)
-                # Images by address are fetched where the request is served, once.
-                if not any(image.url for image in request_images(chat)):
-                    prompt = await render(local, chat, fetch_images=router.fetch_images)
+            renderer = local or router.routing_model(model_id)
+            if len(replicas) > 1 and renderer is not None and router.policy == "cache-aware":
+                chat = chat_for(model_id)
+                check_prompt_size(renderer, chat)
+                images = request_images(chat)
+                # Images by address are fetched where the request is served, once;
+                # a routing model has no image processor.
+                if not any(image.url for image in images) and (local is not None or not images):
+                    prompt = await render(renderer, chat, fetch_images=router.fetch_images)
                     digests = prefix_digests(prompt.tokens)
             route = router.choose(replicas, digests)
             replica = route.replica

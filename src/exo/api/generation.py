@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import anyio
 from jinja2 import TemplateError
@@ -95,7 +95,23 @@ def generation_failed(reason: str) -> APIError:
     return internal_error(f"generation failed: {reason}", "generation_failed")
 
 
-async def render(model: ServedModel, request: ChatRequest, *, fetch_images: bool) -> ChatPrompt:
+class PromptModel(Protocol):
+    """What rendering a request's prompt needs of a model: a served one, or a
+    routing one (`routing_tokenizers`: a model whose replicas are elsewhere)."""
+
+    @property
+    def tokenizer(self) -> ChatTokenizer: ...
+    @property
+    def context_length(self) -> int: ...
+    @property
+    def max_token_bytes(self) -> int: ...
+    @property
+    def images(self) -> ImagePrompts | str: ...
+
+    last_prompt: tuple[ChatRequest, Any] | None
+
+
+async def render(model: PromptModel, request: ChatRequest, *, fetch_images: bool) -> ChatPrompt:
     """The request's prompt tokens (volatile text removed first), or a 400.
     Its images are fetched (`fetch_images`: from http(s) addresses too) and
     decoded first; a model that takes none answers 400 naming it. The last
@@ -109,7 +125,7 @@ async def render(model: ServedModel, request: ChatRequest, *, fetch_images: bool
     return prompt
 
 
-async def _render(model: ServedModel, request: ChatRequest, *, fetch_images: bool) -> ChatPrompt:
+async def _render(model: PromptModel, request: ChatRequest, *, fetch_images: bool) -> ChatPrompt:
     pictures: list[Picture] = []
     if request_images(request):
         if isinstance(model.images, str):
@@ -194,7 +210,7 @@ def _tool_spec(tool: ToolFunction, forced: bool) -> ToolSpec:
     return ToolSpec(name=tool.name, parameters=parameters, strict=tool.strict)
 
 
-def _context_exceeded(model: ServedModel, why: str) -> APIError:
+def _context_exceeded(model: PromptModel, why: str) -> APIError:
     return invalid(
         f"This model's maximum context length is {model.context_length} tokens. {why}",
         "messages",
@@ -202,7 +218,7 @@ def _context_exceeded(model: ServedModel, why: str) -> APIError:
     )
 
 
-def check_prompt_size(model: ServedModel, request: ChatRequest) -> None:
+def check_prompt_size(model: PromptModel, request: ChatRequest) -> None:
     """A 400 for a prompt that its size alone shows is longer than the context,
     before anything is tokenized: no token spans more than `max_token_bytes`
     bytes of text, and a template shows every message but the assistant's whole

@@ -24,6 +24,7 @@ from exo.api.routing import cluster_models
 from exo.api.serving import ModelRouter, Relay, ndjson_response, relay, until_disconnect
 from exo.models.file_source import FileSource
 from exo.shared.types.chat import ChatRequest
+from exo.shared.types.ids import ModelId
 from exo.worker.served_model import ServedModel
 
 # How Ollama's server answers `/`: clients check with it that a server is up.
@@ -66,11 +67,11 @@ def ollama_routes(
             model = router.find(ollama.model_name(name))
             return JSONResponse(ollama.loaded(model.model_id, shape))
 
-        def chat_for(model: ServedModel) -> ChatRequest:
-            return translate().model_copy(update={"model": model.model_id})
+        def chat_for(model_id: ModelId) -> ChatRequest:
+            return translate().model_copy(update={"model": model_id})
 
         async def reply_with(model: ServedModel, retry: ReplyRetry) -> Response:
-            chat = chat_for(model)
+            chat = chat_for(model.model_id)
             reply = await prepare_reply(
                 model, chat, keepalive_seconds, retry=retry, fetch_images=router.fetch_images
             )

@@ -24,6 +24,7 @@ from exo.api.reply_retry import ReplyRetry
 from exo.api.routing import cluster_models
 from exo.api.serving import ModelRouter, sse_response, until_disconnect
 from exo.shared.types.chat import ChatRequest
+from exo.shared.types.ids import ModelId
 from exo.worker.served_model import ServedModel
 
 
@@ -55,11 +56,11 @@ def openai_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
     async def chat_completions(
         body: ChatCompletionRequest, request: Request
     ) -> Response | ChatCompletion:
-        def chat_for(model: ServedModel) -> ChatRequest:
-            return to_chat_request(body).model_copy(update={"model": model.model_id})
+        def chat_for(model_id: ModelId) -> ChatRequest:
+            return to_chat_request(body).model_copy(update={"model": model_id})
 
         async def answer(model: ServedModel, retry: ReplyRetry) -> Response | ChatCompletion:
-            chat = chat_for(model)
+            chat = chat_for(model.model_id)
             reply = await prepare_reply(
                 model, chat, keepalive_seconds, retry=retry, fetch_images=router.fetch_images
             )
@@ -71,11 +72,11 @@ def openai_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
 
     @routes.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response | Completion:
-        def chat_for(model: ServedModel) -> ChatRequest:
-            return completion_to_chat_request(body).model_copy(update={"model": model.model_id})
+        def chat_for(model_id: ModelId) -> ChatRequest:
+            return completion_to_chat_request(body).model_copy(update={"model": model_id})
 
         async def answer(model: ServedModel, retry: ReplyRetry) -> Response | Completion:
-            chat = chat_for(model)
+            chat = chat_for(model.model_id)
             reply = await prepare_reply(
                 model, chat, keepalive_seconds, retry=retry, fetch_images=router.fetch_images
             )

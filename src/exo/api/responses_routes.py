@@ -10,6 +10,7 @@ from exo.api.reply_retry import ReplyRetry
 from exo.api.responses_types import ResponsesRequest
 from exo.api.serving import ModelRouter, sse_response, until_disconnect
 from exo.shared.types.chat import ChatRequest
+from exo.shared.types.ids import ModelId
 from exo.worker.served_model import ServedModel
 
 
@@ -20,13 +21,13 @@ def responses_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter
     async def create_response(
         body: ResponsesRequest, request: Request
     ) -> Response | dict[str, object]:
-        def chat_for(model: ServedModel) -> ChatRequest:
-            return responses.to_chat_request(body).model_copy(update={"model": model.model_id})
+        def chat_for(model_id: ModelId) -> ChatRequest:
+            return responses.to_chat_request(body).model_copy(update={"model": model_id})
 
         async def answer(model: ServedModel, retry: ReplyRetry) -> Response | dict[str, object]:
             reply = await prepare_reply(
                 model,
-                chat_for(model),
+                chat_for(model.model_id),
                 keepalive_seconds,
                 retry=retry,
                 fetch_images=router.fetch_images,

@@ -26,6 +26,7 @@ from exo.api.routing import (
     coming_status,
     serving_replicas,
 )
+from exo.api.routing_tokenizers import RoutingModel
 from exo.shared.cluster_view import ClusterView
 from exo.shared.types.ids import InstanceId, ModelId
 from exo.worker.served_model import ServedModel
@@ -85,6 +86,10 @@ class ModelRouter:
     # Images given by http(s) URL are fetched by this node (False: --no-fetch-images,
     # such a request is a 400); `exo.api.images.fetch_images`'s allow_fetch.
     fetch_images: bool = field(default=True, kw_only=True)
+    # The tokenizer of a model whose replicas are all elsewhere (`routing_tokenizers`).
+    routing_model: Callable[[ModelId], RoutingModel | None] = field(
+        default=lambda model_id: None, kw_only=True
+    )
     _turn: int = field(default=0, init=False)
     # Replicas whose node failed a relay, left out until then (monotonic seconds).
     _failed_until: dict[InstanceId, float] = field(default_factory=dict, init=False)

@@ -13,7 +13,6 @@ import anyio.abc
 from loguru import logger
 
 from exo.cluster.link import ClusterLink
-from exo.cluster.model_files import PeerSource
 from exo.models.builtin import DEFAULT_MODEL_ID
 from exo.models.chat_tokenizer import ChatTokenizer, load_chat_tokenizer, longest_token_bytes
 from exo.models.draft_models import draft_refusal
@@ -35,7 +34,7 @@ from exo.shared.types.ids import InstanceId, ModelId
 from exo.shared.types.runner import RunnerStatus
 from exo.shared.types.state import Instance
 from exo.worker.downloads.disk_space import DiskSpace
-from exo.worker.downloads.hub import HubSource, hub_enabled
+from exo.worker.downloads.sources import model_sources
 from exo.worker.downloads.transfer import download_files
 from exo.worker.plan import (
     CancelDownload,
@@ -192,21 +191,9 @@ class Worker:
         self.link.publish(DownloadProgressed(node_id=self.link.node_id, progress=progress))
 
     def _sources(self, model_id: ModelId) -> list[FileSource]:
-        """Peers that have files of the model (the most complete first), then the hub."""
-        state = self.link.state
-        peers: list[tuple[int, PeerSource]] = []
-        for node_id, models in state.downloads.items():
-            node = state.nodes.get(node_id)
-            download = models.get(model_id)
-            if node_id == self.link.node_id or node is None or node.grpc_address is None:
-                continue
-            if download is not None and download.have_files:
-                source = PeerSource(node_id, node.grpc_address, self.secret, self.link.certificate)
-                peers.append((-len(download.have_files), source))
-        sources: list[FileSource] = [source for _, source in sorted(peers, key=lambda p: p[0])]
-        if hub_enabled():
-            sources.append(HubSource())
-        return sources
+        return model_sources(
+            self.link.state, model_id, self.link.node_id, self.secret, self.link.certificate
+        )
 
     def _start_download(self, action: StartDownload, group: anyio.abc.TaskGroup) -> None:
         download = _Download()
