@@ -92,6 +92,37 @@ async def test_a_full_gate_refuses_with_429_and_retry_after() -> None:
     (await gate.acquire()).release()
 
 
+async def test_a_gate_measures_what_a_wait_for_a_slot_costs() -> None:
+    told: list[tuple[int, int | None]] = []
+    gate = ModelGate(
+        MODEL,
+        limits(concurrent=2, queued=1),
+        on_load=lambda model_id, load, wait: told.append((load, wait)),
+    )
+    slot = await gate.acquire()
+    assert told == [(1, None)]  # nothing measured yet
+    await anyio.sleep(0.1)
+    slot.first_token()  # its prompt prefilled in >= 0.1 s
+    await anyio.sleep(0.1)
+    slot.first_token()  # (only the first counts)
+    slot.prefilled(100)
+    slot.release()
+    rate, hold = gate.prefill_tokens_per_second, gate.mean_hold_seconds
+    assert rate is not None and 300 < rate <= 1000, rate
+    assert hold is not None and hold >= 0.2
+    # A slot frees every hold / 2 seconds, while `rate` tokens a second prefill.
+    assert gate.wait_tokens == round(hold / 2 * rate)
+    assert told[-1] == (0, gate.wait_tokens)
+    # A reply without a token, or wholly cached, says nothing of the rate.
+    for first_token, prefilled in ((False, 50), (True, 0)):
+        slot = await gate.acquire()
+        if first_token:
+            slot.first_token()
+        slot.prefilled(prefilled)
+        slot.release()
+        assert gate.prefill_tokens_per_second == rate
+
+
 async def test_waiters_get_slots_first_come_first_served() -> None:
     gate = ModelGate(MODEL, limits(concurrent=1, queued=3))
     first = await gate.acquire()

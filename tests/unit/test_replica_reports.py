@@ -53,13 +53,13 @@ def test_a_cache_report_sends_only_what_changed() -> None:
 def test_load_is_reported_for_the_replica_whose_first_rank_is_this_node_s() -> None:
     node = Node(A, STATE)
     assert local_replica(node, MODEL) == I1  # type: ignore[arg-type]
-    report_load(node, MODEL, 3)  # type: ignore[arg-type]
-    assert node.published == [ReplicaReported(node_id=A, instance_id=I1, load=3)]
+    report_load(node, MODEL, 3, 250)  # type: ignore[arg-type]
+    assert node.published == [ReplicaReported(node_id=A, instance_id=I1, load=3, wait_tokens=250)]
     state = apply(STATE, ev(node.published[0], A))
-    assert state.replicas[I1] == ReplicaReport(load=3)
-    # The load stays as it was when a report only changes the cache.
+    assert state.replicas[I1] == ReplicaReport(load=3, wait_tokens=250)
+    # The load and waiting cost stay as they were when a report only changes the cache.
     state = apply(state, ev(ReplicaReported(node_id=A, instance_id=I1, cached_added=(9,)), A))
-    assert state.replicas[I1] == ReplicaReport(cached=frozenset({9}), load=3)
+    assert state.replicas[I1] == ReplicaReport(cached=frozenset({9}), load=3, wait_tokens=250)
     # A deleted instance takes its report with it.
     assert I1 not in apply(state, ev(InstanceDeleted(instance_id=I1), A)).replicas
 

@@ -76,13 +76,16 @@ PROMPT = list(range(40 * DIGEST_TOKENS))
 BLOCKS = prefix_digests(PROMPT)
 
 
-def replica(name: str, cached_blocks: int, load: int, local: bool = False) -> Replica:
+def replica(
+    name: str, cached_blocks: int, load: int, local: bool = False, wait: int | None = None
+) -> Replica:
     return Replica(
         InstanceId(name),
         NodeId(f"node-{name}"),
         None if local else f"{name}:52415",
         load,
         frozenset(BLOCKS[:cached_blocks]),
+        wait,
     )
 
 
@@ -100,6 +103,11 @@ SLOTS = 4  # each replica's batch
         ([replica("a", 12, 4), replica("b", 2, 0)], "cache-aware", "b", "load"),
         # ... unless the cached prefix is worth the wait.
         ([replica("a", 30, 4), replica("b", 2, 0)], "cache-aware", "a", "cache"),
+        # A wait as the replica measured it (a slot frees while 256 tokens prefill
+        # there): the session stays with its cache one waiting request longer...
+        ([replica("a", 12, 5, wait=256), replica("b", 2, 0)], "cache-aware", "a", "cache"),
+        # ... and leaves it where a slot frees rarely.
+        ([replica("a", 12, 4, wait=2048), replica("b", 2, 0)], "cache-aware", "b", "load"),
         # Nothing cached anywhere: the least loaded, then this node's own.
         ([replica("a", 0, 3), replica("b", 0, 1)], "cache-aware", "b", "least-loaded"),
         ([replica("a", 0, 1), replica("b", 0, 1, local=True)], "cache-aware", "b", "least-loaded"),
@@ -130,6 +138,9 @@ def test_the_routing_rule(
 )
 def test_what_load_costs(load: int, cost: int) -> None:
     assert load_tokens(load, SLOTS) == cost
+    # A measured wait replaces the default per request waited for.
+    waiting = max(0, load - SLOTS + 1)
+    assert load_tokens(load, SLOTS, 300) == cost - waiting * (WAITING_REQUEST_TOKENS - 300)
 
 
 def test_without_the_prompt_s_digests_the_least_loaded_serves() -> None:

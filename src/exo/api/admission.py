@@ -42,7 +42,8 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # most a minute (a client should look again rather than give up).
 RETRY_AFTER_MIN_SECONDS = 1
 RETRY_AFTER_MAX_SECONDS = 60
-# Weight of the newest generation in the mean time a slot is held.
+# Weight of the newest generation in the mean time a slot is held (and in the
+# mean rate a request's prompt is prefilled at).
 HOLD_TIME_SMOOTHING = 0.2
 
 
@@ -81,6 +82,17 @@ class Slot:
     def __init__(self, gate: "ModelGate | None") -> None:
         self._gate = gate
         self._since = time.monotonic()
+        self._first_token: float | None = None
+
+    def first_token(self) -> None:
+        """The reply's first token came (its prompt is prefilled): the first call counts."""
+        if self._first_token is None:
+            self._first_token = time.monotonic()
+
+    def prefilled(self, tokens: int) -> None:
+        """The reply ended having prefilled `tokens` of its prompt (those not cached)."""
+        if self._gate is not None and self._first_token is not None and tokens > 0:
+            self._gate.prefilled(tokens, self._first_token - self._since)
 
     def release(self) -> None:
         gate, self._gate = self._gate, None
@@ -99,8 +111,12 @@ class ModelGate:
     limits: AdmissionLimits
     running: int = 0
     mean_hold_seconds: float | None = None
-    # Told the load (running + queued) whenever it changes.
-    on_load: Callable[[ModelId, int], None] = lambda model_id, load: None
+    # Prompt tokens a request in a slot is prefilled at, a second (its uncached
+    # tokens over the time from its slot to its first token).
+    prefill_tokens_per_second: float | None = None
+    # Told the load (running + queued) whenever it changes, with the waiting
+    # cost (`wait_tokens`) as it is then.
+    on_load: Callable[[ModelId, int, int | None], None] = lambda model_id, load, wait: None
     _waiters: deque[anyio.Event] = field(default_factory=deque[anyio.Event])
 
     @property
@@ -111,8 +127,26 @@ class ModelGate:
     def load(self) -> int:
         return self.running + self.queued
 
+    @property
+    def wait_tokens(self) -> int | None:
+        """What a request waiting for a slot here costs a new one, in prompt
+        tokens it could have prefilled meanwhile: a slot frees every mean hold
+        time / slots seconds, at the measured prefill rate. None until both
+        are measured."""
+        if self.mean_hold_seconds is None or self.prefill_tokens_per_second is None:
+            return None
+        slot_frees = self.mean_hold_seconds / self.limits.max_concurrent
+        return round(slot_frees * self.prefill_tokens_per_second)
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        rate = tokens / max(seconds, 1e-3)
+        previous = self.prefill_tokens_per_second
+        self.prefill_tokens_per_second = (
+            rate if previous is None else previous + HOLD_TIME_SMOOTHING * (rate - previous)
+        )
+
     def _changed(self) -> None:
-        self.on_load(self.model_id, self.load)
+        self.on_load(self.model_id, self.load, self.wait_tokens)
 
     async def acquire(self) -> Slot:
         """A slot, now or after waiting in the queue; a 429 when the queue is
@@ -178,9 +212,10 @@ class Admission:
     def __init__(
         self,
         limits: AdmissionLimits,
-        on_load: Callable[[ModelId, int], None] = lambda model_id, load: None,
+        on_load: Callable[[ModelId, int, int | None], None] = lambda model_id, load, wait: None,
     ) -> None:
-        """`on_load`: a model's load (requests running or waiting), as it changes."""
+        """`on_load`: a model's load (requests running or waiting) as it
+        changes, and its waiting cost (`ModelGate.wait_tokens`)."""
         self.limits = limits
         self.on_load = on_load
         self.gates: dict[ModelId, ModelGate] = {}

@@ -67,7 +67,7 @@ def create_app(
     install_error_handlers(app)
     limits = limits or AdmissionLimits()
     admission = Admission(
-        limits, on_load=lambda model_id, load: report_load(cluster, model_id, load)
+        limits, on_load=lambda model_id, load, wait: report_load(cluster, model_id, load, wait)
     )
     metrics = ServingMetrics(models, cluster, admission)
     # The last added runs first: count every request, refuse those without

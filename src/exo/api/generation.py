@@ -364,6 +364,7 @@ class _Run:
                 async for event in events:
                     if isinstance(event, ReplyFinished):
                         ended = event.finish_reason
+                        self.slot.prefilled(event.usage.prompt_tokens - event.usage.cached_tokens)
                         if self.observer is not None:
                             self.observer.finished(ended, event.usage)
                     yield event
@@ -437,6 +438,7 @@ class _Run:
                             yield KeepAlive()
                         case TaskText(text=text, logprobs=logprobs):
                             self.started.set()
+                            self.slot.first_token()
                             if self.observer is not None:
                                 self.observer.chunk()
                             output.append(text)

@@ -22,7 +22,8 @@ RoutingPolicy = Literal["cache-aware", "least-loaded", "round-robin"]
 ROUTING_POLICIES: tuple[RoutingPolicy, ...] = ("cache-aware", "least-loaded", "round-robin")
 # What a request ahead on a replica costs a new one there, in prompt tokens it
 # could prefill meanwhile: little while it runs beside it in the batch (a batch
-# decodes its rows together), much when the new one has to wait for a slot.
+# decodes its rows together), much when the new one has to wait for a slot:
+# as the replica measures it (`ModelGate.wait_tokens`), this until it has.
 RUNNING_REQUEST_TOKENS = 128
 WAITING_REQUEST_TOKENS = 1024
 
@@ -38,6 +39,7 @@ class Replica:
     api_address: str | None  # None: this node's own (served without a relay)
     load: int  # requests running or waiting on it
     cached: frozenset[int] = frozenset()  # its prefix cache's digests
+    wait_tokens: int | None = None  # what a request waiting there costs; None: not measured
 
     @property
     def local(self) -> bool:
@@ -75,21 +77,24 @@ def serving_replicas(
             continue
         report = state.replicas.get(instance_id)
         cached = report.cached if report else frozenset[int]()
+        wait = report.wait_tokens if report else None
         if first == self_id:
             if local_load is not None:
-                replicas.append(Replica(instance_id, first, None, local_load, cached))
+                replicas.append(Replica(instance_id, first, None, local_load, cached, wait))
         elif node.api_address is not None:
             load = report.load if report else 0
-            replicas.append(Replica(instance_id, first, node.api_address, load, cached))
+            replicas.append(Replica(instance_id, first, node.api_address, load, cached, wait))
     return replicas
 
 
-def load_tokens(load: int, slots: int) -> int:
+def load_tokens(load: int, slots: int, wait_tokens: int | None = None) -> int:
     """What `load` requests running or waiting on a replica with `slots` slots
-    (its batch, `--max-concurrent`) cost a new request there, in prompt tokens."""
+    (its batch, `--max-concurrent`) cost a new request there, in prompt tokens;
+    `wait_tokens`: what one it waits for costs (None: `WAITING_REQUEST_TOKENS`)."""
     running = min(load, slots)
     waiting = max(0, load - slots + 1)  # finishing requests the new one waits for
-    return RUNNING_REQUEST_TOKENS * running + WAITING_REQUEST_TOKENS * waiting
+    per_wait = WAITING_REQUEST_TOKENS if wait_tokens is None else wait_tokens
+    return RUNNING_REQUEST_TOKENS * running + per_wait * waiting
 
 
 def choose_replica(
@@ -124,7 +129,7 @@ def choose_replica(
         return Route(chosen, "least-loaded", cached[chosen.instance_id])
 
     def cost(r: Replica) -> tuple[int, int, bool, str]:
-        return (load_tokens(r.load, slots) - cached[r.instance_id], *by_load(r))
+        return (load_tokens(r.load, slots, r.wait_tokens) - cached[r.instance_id], *by_load(r))
 
     chosen = min(replicas, key=cost)
     best = max(cached.values())

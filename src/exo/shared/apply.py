@@ -176,6 +176,7 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
             report = ReplicaReport(
                 cached=(known.cached - set(event.cached_removed)) | set(event.cached_added),
                 load=known.load if event.load is None else event.load,
+                wait_tokens=known.wait_tokens if event.wait_tokens is None else event.wait_tokens,
             )
             return state.model_copy(
                 update={"replicas": {**state.replicas, event.instance_id: report}}

@@ -23,11 +23,19 @@ def has_replicas(cluster: ClusterView, model_id: ModelId) -> bool:
     return sum(i.model_id == model_id for i in cluster.state.instances.values()) > 1
 
 
-def report_load(cluster: ClusterView, model_id: ModelId, load: int) -> None:
+def report_load(
+    cluster: ClusterView, model_id: ModelId, load: int, wait_tokens: int | None = None
+) -> None:
+    """`wait_tokens`: what a request waiting for a slot costs there (None: not measured)."""
     instance_id = local_replica(cluster, model_id)
     if instance_id is not None and has_replicas(cluster, model_id):
         cluster.publish(
-            ReplicaReported(node_id=cluster.node_id, instance_id=instance_id, load=load)
+            ReplicaReported(
+                node_id=cluster.node_id,
+                instance_id=instance_id,
+                load=load,
+                wait_tokens=wait_tokens,
+            )
         )
 
 

@@ -118,13 +118,15 @@ class ModelFoldersUnreadable(FrozenModel):
 class ReplicaReported(FrozenModel):
     """What the first rank of an instance offers the routing of requests
     (`exo.api.routing`): a change of what its prefix cache holds (digests of
-    `exo.shared.prefix_digests` added and removed) and of its load (requests
-    running or waiting there; None: unchanged)."""
+    `exo.shared.prefix_digests` added and removed), of its load (requests
+    running or waiting there) and of what a request waiting for a slot there
+    costs, in prompt tokens (None: unchanged)."""
 
     kind: Literal["replica_reported"] = "replica_reported"
     node_id: NodeId
     instance_id: InstanceId
     load: int | None = Field(default=None, ge=0)
+    wait_tokens: int | None = Field(default=None, ge=0)
     cached_added: tuple[int, ...] = ()
     cached_removed: tuple[int, ...] = ()
 

@@ -118,6 +118,9 @@ class ReplicaReport(FrozenModel):
 
     cached: frozenset[int] = frozenset()  # digests of its prefix cache (`prefix_digests`)
     load: int = 0  # requests running or waiting on it
+    # What a request waiting for a slot there costs, in prompt tokens it could
+    # prefill meanwhile (`ModelGate.wait_tokens`); None: not measured yet.
+    wait_tokens: int | None = None
 
 
 class HistorySetAside(FrozenModel):
