@@ -3,9 +3,11 @@
 Two nodes on this machine, each serving a replica of the built-in model, take
 the same trace three times, restarted with `--routing cache-aware`,
 `round-robin` and `least-loaded`: `--sessions` agent sessions (24) that share
-one system prompt, each `--turns` turns long, run concurrently; each turn goes
-to the other node's API than the last (so the node that receives a turn is
-the one without the session's cache half of the time). A fourth run sends the
+one system prompt, each `--turns` turns long (4, each a tool result of
+`--turn-words` words, 200), run concurrently, a turn `--think-seconds` (1)
+after the last one's answer (the agent runs the tool); each turn goes to the
+other node's API than the last (so the node that receives a turn is the one
+without the session's cache half of the time). A fourth run sends the
 trace to one node alone: its prefix cache sees every request, the ideal cache's
 prefilled tokens (no replica can do better than one cache that holds
 everything).
@@ -19,7 +21,7 @@ cache-aware run prefills at most 1.05x the ideal cache's tokens, and its TTFT
 sum is at most 0.6x round-robin's.
 
     uv run python bench/replicas.py
-    uv run python bench/replicas.py --sessions 8 --turns 3 --turn-words 300
+    uv run python bench/replicas.py --think-seconds 0   # turns back to back
 """
 
 import argparse
@@ -116,6 +118,9 @@ def node_args(port: int, grpc_port: int, peers: str, secret: str, data_dir: Path
         "--grpc-host", "127.0.0.1", "--grpc-port", str(grpc_port),
         "--no-discovery", "--peers", peers, "--cluster-secret", secret,
         "--data-dir", str(data_dir), "--log-level", "INFO",
+        # Measured here is routing, not refusals: 24 sessions on two shared cores
+        # wait longer for a slot than the default 120 s at times.
+        "--queue-timeout-seconds", "900",
     ]  # fmt: skip
 
 
@@ -164,12 +169,15 @@ def session(
     args_words: int,
     nodes: list[ExoNode],
     max_tokens: int,
+    think_seconds: float,
     run: Run,
     lock: threading.Lock,
 ) -> None:
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
     with httpx.Client() as client:
         for turn in range(turns):
+            if turn:
+                time.sleep(think_seconds)  # the agent runs the tool the model called
             messages.append(
                 {
                     "role": "user",
@@ -200,7 +208,16 @@ def play(name: str, nodes: list[ExoNode], args: argparse.Namespace) -> Run:
     threads = [
         threading.Thread(
             target=session,
-            args=(n, args.turns, args.turn_words, nodes, args.max_tokens, run, lock),
+            args=(
+                n,
+                args.turns,
+                args.turn_words,
+                nodes,
+                args.max_tokens,
+                args.think_seconds,
+                run,
+                lock,
+            ),
         )
         for n in range(args.sessions)
     ]
@@ -225,11 +242,17 @@ def play(name: str, nodes: list[ExoNode], args: argparse.Namespace) -> Run:
 def main() -> int:
     parser = argparse.ArgumentParser(description="Replicas: cache-aware routing vs others")
     parser.add_argument("--sessions", type=int, default=24)
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--turn-words", type=int, default=60, help="words of each tool result")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turn-words", type=int, default=200, help="words of each tool result")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument(
         "--stagger", type=float, default=0.5, help="seconds between sessions' starts"
+    )
+    parser.add_argument(
+        "--think-seconds",
+        type=float,
+        default=1.0,
+        help="seconds between a turn's answer and the next turn (the agent's tool runs)",
     )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="exo-bench-replicas-"))
