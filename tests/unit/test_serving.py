@@ -18,6 +18,7 @@ from exo.engine.mlx.load import load_for_inference
 from exo.engine.mlx.one_at_a_time import OneAtATime
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.engine.mlx.ring import PeerLost
+from exo.shared.prefix_digests import DIGEST_TOKENS, prefix_digests
 from exo.shared.prompt_images import PromptImage
 from exo.shared.types.constraints import JsonSchema
 from exo.shared.types.ids import TaskId
@@ -162,6 +163,21 @@ def test_either_batch_serves_tasks_in_the_one_loop(tiny: Loaded, batch: str) -> 
     assert all(isinstance(messages[i + 1], StatusChanged | CacheStatsReport) for i in ends)
     assert isinstance(messages[-1], CacheStatsReport)
     assert messages[-1].stats.entries == 2
+
+
+def test_a_prompt_being_served_is_reported_as_cached_from_its_start(tiny: Loaded) -> None:
+    """Routing sends a session's next turn where its prompt is cached; the
+    turn may come the moment this reply ends, before a report from its end
+    reached the node it comes to."""
+    tokens = prompt(3 * DIGEST_TOKENS + 5, seed=3)
+    messages = serve_until(continuous(tiny), [task("a", tokens)], 1)
+    first_text = next(i for i, m in enumerate(messages) if isinstance(m, TaskText))
+    reports = [m for m in messages[:first_text] if isinstance(m, CacheStatsReport)]
+    assert reports, "no cache report before the reply began"
+    assert set(prefix_digests(tokens)) <= set(reports[-1].summary)
+    assert reports[-1].stats.entries == 0  # (nothing cached yet)
+    last = messages[-1]
+    assert isinstance(last, CacheStatsReport) and set(prefix_digests(tokens)) <= set(last.summary)
 
 
 @pytest.mark.parametrize("batch", ["one_at_a_time", "continuous"])

@@ -26,7 +26,7 @@ buffer on write when it is shared).
 import copy
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -546,12 +546,13 @@ class KVPrefixCache:
         entry = self._entries[entry_id]
         return self._materialize(entry, len(entry.tokens))
 
-    def summary(self) -> list[int]:
-        """The digests of what this cache holds (`prefix_digests`): memory entries,
-        then disk ones, most recently used first."""
+    def summary(self, coming: Iterable[tuple[int, ...]] = ()) -> list[int]:
+        """The digests of what this cache holds (`prefix_digests`): `coming`
+        first (prompts being served, which it holds once they finish), then
+        memory entries, then disk ones, most recently used first."""
         memory = sorted(self._entries.values(), key=lambda e: e.last_used, reverse=True)
         disk = self._disk.sequences() if self._disk else []
-        return self._summarizer.summarize([*(e.tokens for e in memory), *disk])
+        return self._summarizer.summarize([*coming, *(e.tokens for e in memory), *disk])
 
     def stats(self) -> CacheStats:
         disk = self._disk

@@ -72,8 +72,13 @@ class Runner:
         self.report_cache(cache)
 
     def report_cache(self, cache: KVPrefixCache | None) -> None:
+        """The cache's stats and summary; the summary counts the prompts being
+        served as cached: a session's next turn, sent the moment this one's
+        reply ends, may reach a node before the report at its end does."""
         if cache is not None:
-            self.send(CacheStatsReport(stats=cache.stats(), summary=tuple(cache.summary())))
+            coming = (tuple(task.tokens) for task in self.inbox.taken.values())
+            summary = tuple(cache.summary(coming))
+            self.send(CacheStatsReport(stats=cache.stats(), summary=summary))
 
     def report_progress(self, task_id: str, done: int, total: int) -> None:
         """`OneAtATime`'s `on_progress`: progress goes out as the prompt is read."""
@@ -160,6 +165,7 @@ class Runner:
             return
         if progress is not None:
             self.report_progress(task.task_id, progress.done, progress.total)
+        self.report_cache(batch.prefix_cache)  # its prompt, to route its next turn here
 
     def _send_step_output(self, batch: Batch, task: Generate, output: BatchOutput) -> None:
         """One output of a batch step, left buffered (the step's are flushed at once)."""
