@@ -384,10 +384,10 @@ async def _run_node(config: NodeConfig) -> None:
         group.start_soon(_watch_model_folders, link, models, publish_models)
         if worker is not None:
             group.start_soon(worker.run)
-        served = worker.served if worker else {}
+        served_models = worker.served if worker else {}
         routing_tokenizers = RoutingTokenizers(
             link,
-            served,
+            served_models,
             models,
             config.data_dir / "routing-tokenizers",
             lambda model_id: model_sources(
@@ -406,7 +406,7 @@ async def _run_node(config: NodeConfig) -> None:
                         "network: set --api-key, or --host 127.0.0.1 to keep it on this machine"
                     )
                 app = create_app(
-                    served,
+                    served_models,
                     link,
                     config.sse_keepalive_seconds,
                     worker.delete_model_files if worker else None,
