@@ -334,6 +334,8 @@ async def _run_node(config: NodeConfig) -> None:
     def announce(model_id: ModelId) -> None:
         logger.info(f"ready: {model_id} is serving at {base_url}/v1")
 
+    # Downloads and fetched tokenizers reserve their space against one floor.
+    disk_space = DiskSpace(config.min_free_disk_bytes)
     worker = (
         Worker(
             link,
@@ -344,7 +346,7 @@ async def _run_node(config: NodeConfig) -> None:
             prefix_cache_disk_bytes=config.prefix_cache_disk_bytes,
             on_ready=announce,
             stale=stale,
-            disk_space=DiskSpace(config.min_free_disk_bytes),
+            disk_space=disk_space,
             speculation=config.speculation,
             draft_model=config.draft_model,
         )
@@ -387,13 +389,12 @@ async def _run_node(config: NodeConfig) -> None:
         served_models = worker.served if worker else {}
         routing_tokenizers = RoutingTokenizers(
             link,
-            served_models,
             models,
             config.data_dir / "routing-tokenizers",
             lambda model_id: model_sources(
                 link.state, model_id, node_id, config.cluster_secret, certificate
             ),
-            DiskSpace(config.min_free_disk_bytes),
+            disk_space,
         )
         if socks and config.routing == "cache-aware":
             group.start_soon(routing_tokenizers.run)

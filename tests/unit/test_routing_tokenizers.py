@@ -42,7 +42,6 @@ def two_replicas_elsewhere(smollm_dir: Path) -> State:
 def tokenizers_of(node: Node, models_dir: Path, tmp_path: Path) -> RoutingTokenizers:
     return RoutingTokenizers(
         node,  # type: ignore[arg-type]  # the parts of a ClusterView it uses
-        {},
         ModelStore(models_dir),
         tmp_path / "routing-tokenizers",
         lambda model_id: [],  # no peers: the copy here must do

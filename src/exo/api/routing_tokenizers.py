@@ -12,7 +12,7 @@ model's image processor) such a node routes by load."""
 
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,6 @@ from exo.shared.types.chat import ChatRequest
 from exo.shared.types.ids import ModelId
 from exo.worker.downloads.disk_space import DiskSpace
 from exo.worker.downloads.transfer import download_files
-from exo.worker.served_model import ServedModel
 
 POLL_SECONDS = 1.0  # how often the models that need a tokenizer are looked for
 RETRY_SECONDS = 60.0  # after a tokenizer failed to come or load
@@ -58,7 +57,6 @@ class RoutingTokenizers:
     def __init__(
         self,
         cluster: ClusterView,
-        served: Mapping[ModelId, ServedModel],
         models: ModelStore,
         folder: Path,
         sources: Callable[[ModelId], Sequence[FileSource]],
@@ -67,7 +65,6 @@ class RoutingTokenizers:
         """`folder`: where fetched tokenizer files go (one folder per model);
         `sources`: where a model's files can be read (peers, then the hub)."""
         self.cluster = cluster
-        self.served = served
         self.models = models
         self.folder = folder
         self.sources = sources
@@ -91,8 +88,7 @@ class RoutingTokenizers:
         return {
             model_id
             for model_id in models
-            if model_id not in self.served
-            and len(serving_replicas(state, model_id, self.cluster.node_id, None)) > 1
+            if len(serving_replicas(state, model_id, self.cluster.node_id, None)) > 1
         }
 
     async def run(self) -> None:
