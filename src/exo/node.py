@@ -29,6 +29,7 @@ from exo.models.builtin import BuiltinModelMissing
 from exo.models.cards import ModelCardError, card_from_folder
 from exo.models.gguf_import import GGUFImportError
 from exo.models.local_store import ModelStore, ModelUnavailable
+from exo.shared.allocator import release_free_memory_periodically
 from exo.shared.data_dir import DataDirInUse, DataDirLock
 from exo.shared.event_log import EventLog, EventLogCorrupted
 from exo.shared.event_store import EventStore, now_ms
@@ -355,6 +356,7 @@ async def _run_node(config: NodeConfig) -> None:
     )
     async with anyio.create_task_group() as group:
         group.start_soon(store.run)  # fsyncs the event log off the event loop
+        group.start_soon(release_free_memory_periodically)
         await group.start(_run_link, link)
         group.start_soon(master.run)  # its duties, while this node is master
         joined = NodeJoined(

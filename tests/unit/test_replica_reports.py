@@ -7,10 +7,17 @@ from dataclasses import dataclass, field
 from exo.master.master import may_originate
 from exo.shared.apply import apply
 from exo.shared.replica_reports import CacheReports, local_replica, report_load
-from exo.shared.types.events import Event, IndexedEvent, InstanceDeleted, ReplicaReported
+from exo.shared.types.events import (
+    Event,
+    IndexedEvent,
+    InstanceDeleted,
+    NodeTimedOut,
+    ReplicaReported,
+)
 from exo.shared.types.ids import NodeId
 from exo.shared.types.state import ReplicaReport, State
 from tests.unit.test_apply import I1, I2, MODEL, A, B, inst
+from tests.unit.test_apply import node as node_info
 
 # I1 is served by A alone; I2 is a pipeline whose first rank is B's.
 STATE = State(instances={I1: inst(I1, A), I2: inst(I2, B, A)})
@@ -60,8 +67,10 @@ def test_load_is_reported_for_the_replica_whose_first_rank_is_this_node_s() -> N
     # The load and waiting cost stay as they were when a report only changes the cache.
     state = apply(state, ev(ReplicaReported(node_id=A, instance_id=I1, cached_added=(9,)), A))
     assert state.replicas[I1] == ReplicaReport(cached=frozenset({9}), load=3, wait_tokens=250)
-    # A deleted instance takes its report with it.
+    # A deleted instance takes its report with it, and so does one whose node timed out.
     assert I1 not in apply(state, ev(InstanceDeleted(instance_id=I1), A)).replicas
+    with_node = state.model_copy(update={"nodes": {A: node_info(A)}})
+    assert I1 not in apply(with_node, ev(NodeTimedOut(node_id=A), B)).replicas
 
 
 def test_only_an_instance_s_first_rank_reports_for_it() -> None:

@@ -62,9 +62,11 @@ def test_a_request_is_worth_retrying_only_for_an_instance_on_its_way(
 
 from exo.api.routing import (  # noqa: E402
     RUNNING_REQUEST_TOKENS,
+    UNREPORTED_SECONDS,
     WAITING_REQUEST_TOKENS,
     Replica,
     RoutingPolicy,
+    UnreportedSends,
     choose_replica,
     load_tokens,
     serving_replicas,
@@ -180,3 +182,41 @@ def test_the_replicas_that_serve() -> None:
     assert [r.instance_id for r in serving_replicas(state, MODEL, A, None)] == [I2]
     assert serving_replicas(state, MODEL, A, 2, exclude={I2}) == replicas[:1]
     assert serving_replicas(state, ModelId("org/other"), A, 0) == []
+
+
+def test_requests_relayed_here_count_on_a_replica_until_its_report_shows_them() -> None:
+    """Sessions whose turns arrive together (a batch's replies ended together),
+    each cached on the busier replica B and routed by this node A: the first
+    leaves B for C, the next sees C's load with it and stays with B, the third
+    sees B's with that one."""
+    C = NodeId("node-c")
+    reports = {I2: ReplicaReport(cached=frozenset(BLOCKS[:5]), load=4, wait_tokens=400),
+               I3: ReplicaReport(load=2, wait_tokens=400)}  # fmt: skip
+    state = state_of({I2: (B, "ready"), I3: (C, "ready")}).model_copy(
+        update={"nodes": {A: node_info(A), B: node_info(B), C: node_info(C)}, "replicas": reports}
+    )
+    unreported = UnreportedSends()
+    chosen: list[InstanceId] = []
+    for _ in range(3):
+        replicas = unreported.added(serving_replicas(state, MODEL, A, None), state, now=10.0)
+        route = choose_replica(replicas, BLOCKS, slots=SLOTS)
+        unreported.sent(route.replica.instance_id, state, now=10.0)
+        chosen.append(route.replica.instance_id)
+    assert chosen == [I3, I2, I3]
+    # Without the count, each would have seen the same loads and left B.
+    bare = serving_replicas(state, MODEL, A, None)
+    assert choose_replica(bare, BLOCKS, slots=SLOTS).replica.instance_id == I3
+
+    def loads(state: State, now: float) -> list[int]:
+        return [
+            r.load for r in unreported.added(serving_replicas(state, MODEL, A, None), state, now)
+        ]
+
+    assert loads(state, 10.5) == [4 + 1, 2 + 2]
+    # C's next report shows its requests (the relays reached it): C's count is settled.
+    newer = state.model_copy(
+        update={"replicas": {**reports, I3: ReplicaReport(load=4, wait_tokens=400)}}
+    )
+    assert loads(newer, 10.5) == [4 + 1, 4]
+    # Without a newer report, a relayed request counts for a bounded time only.
+    assert loads(newer, 10.0 + UNREPORTED_SECONDS) == [4, 4]

@@ -5,12 +5,12 @@ several instances of a model (replicas), the one whose prefix cache holds the
 longest prefix of the prompt wins, unless it is much busier (`choose_replica`)."""
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from exo.shared.prefix_digests import cached_prefix_tokens
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
-from exo.shared.types.state import State
+from exo.shared.types.state import ReplicaReport, State
 
 SERVING = ("ready", "running")
 COMING = ("downloading", "starting", "loading")
@@ -28,6 +28,9 @@ RUNNING_REQUEST_TOKENS = 128
 WAITING_REQUEST_TOKENS = 1024
 
 RouteReason = Literal["cache", "load", "least-loaded", "round-robin", "only"]
+# Longest a request this node relayed counts on top of its replica's report
+# when no newer report comes (one comes within milliseconds as a rule).
+UNREPORTED_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,45 @@ def serving_replicas(
             load = report.load if report else 0
             replicas.append(Replica(instance_id, first, node.api_address, load, cached, wait))
     return replicas
+
+
+@dataclass
+class UnreportedSends:
+    """Requests this node relayed to other nodes' replicas that their reports
+    may not show yet. A replica's load reaches the other nodes through the
+    master's event log, so requests routed within milliseconds of each other
+    (a batch's replies ending together, their sessions' next turns arriving
+    together) would all see the same load and go to the same replica: each
+    counts on top of the replica's report until a newer report is applied
+    here (the replica has had a chance to count it), or for `UNREPORTED_SECONDS`."""
+
+    # Per replica: (when sent, monotonic seconds; its report in the state then).
+    _sent: dict[InstanceId, list[tuple[float, ReplicaReport | None]]] = field(
+        default_factory=dict[InstanceId, list[tuple[float, ReplicaReport | None]]]
+    )
+
+    def sent(self, replica: InstanceId, state: State, now: float) -> None:
+        self._sent.setdefault(replica, []).append((now, state.replicas.get(replica)))
+
+    def added(self, replicas: Sequence[Replica], state: State, now: float) -> list[Replica]:
+        """`replicas` with the requests their reports do not show yet in their load."""
+        for instance_id in list(self._sent):
+            report = state.replicas.get(instance_id)
+            sent = [
+                (at, seen)
+                for at, seen in self._sent[instance_id]
+                if seen is report and now - at < UNREPORTED_SECONDS
+            ]
+            if sent:
+                self._sent[instance_id] = sent
+            else:
+                del self._sent[instance_id]
+        return [
+            replace(r, load=r.load + len(self._sent[r.instance_id]))
+            if r.instance_id in self._sent and not r.local
+            else r
+            for r in replicas
+        ]
 
 
 def load_tokens(load: int, slots: int, wait_tokens: int | None = None) -> int:

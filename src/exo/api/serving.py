@@ -21,6 +21,7 @@ from exo.api.routing import (
     Replica,
     Route,
     RoutingPolicy,
+    UnreportedSends,
     choose_replica,
     cluster_models,
     coming_status,
@@ -91,6 +92,7 @@ class ModelRouter:
         default=lambda model_id: None, kw_only=True
     )
     _turn: int = field(default=0, init=False)
+    _unreported: UnreportedSends = field(default_factory=UnreportedSends, init=False)
     # Replicas whose node failed a relay, left out until then (monotonic seconds).
     _failed_until: dict[InstanceId, float] = field(default_factory=dict, init=False)
 
@@ -107,9 +109,9 @@ class ModelRouter:
         now = time.monotonic()
         self._failed_until = {i: t for i, t in self._failed_until.items() if t > now}
         local = self.local_load(model_id) if model_id in self.models else None
-        serving = serving_replicas(
-            self.cluster.state, model_id, self.cluster.node_id, local, set(exclude)
-        )
+        state = self.cluster.state
+        serving = serving_replicas(state, model_id, self.cluster.node_id, local, set(exclude))
+        serving = self._unreported.added(serving, state, now)
         return [r for r in serving if r.instance_id not in self._failed_until] or serving
 
     def choose(self, replicas: Sequence[Replica], prompt_digests: Sequence[int] | None) -> Route:
@@ -117,7 +119,10 @@ class ModelRouter:
         return choose_replica(replicas, prompt_digests, self.policy, self._turn, self.slots)
 
     def relay_to(self, replica: Replica, model_id: ModelId) -> Relay:
+        """Where to relay a request routed to `replica` (counted in its load here
+        until its report shows it: `UnreportedSends`)."""
         assert replica.api_address is not None
+        self._unreported.sent(replica.instance_id, self.cluster.state, time.monotonic())
         return Relay(
             replica.api_address, model_id, self.relay_read_timeout_seconds, replica.instance_id
         )

@@ -76,6 +76,7 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
                     "gone_nodes": {**state.gone_nodes, event.node_id: left},
                     "instances": {k: v for k, v in state.instances.items() if k not in gone},
                     "runners": {k: v for k, v in state.runners.items() if k not in gone},
+                    "replicas": {k: v for k, v in state.replicas.items() if k not in gone},
                     "downloads": {k: v for k, v in state.downloads.items() if k != event.node_id},
                     "unreadable_models": {
                         k: v for k, v in state.unreadable_models.items() if k != event.node_id
