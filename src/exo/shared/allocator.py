@@ -23,7 +23,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 64 << 20
 TRIM_THRESHOLD_BYTES = 128 << 20  # freed heap kept for reuse, at most
-RELEASE_EVERY_SECONDS = 30.0
+RELEASE_EVERY_SECONDS = 10.0
 
 
 @functools.cache

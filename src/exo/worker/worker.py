@@ -152,6 +152,7 @@ class Worker:
 
     async def _reconcile(self, group: anyio.abc.TaskGroup) -> None:
         state = self.link.state
+        self._download_failed.intersection_update(state.instances)  # deleted ones are done
         bound = 2 * (len(state.instances) + len(self._running) + len(self._downloads)) + 1
         for _ in range(bound):
             action = plan(self.link.node_id, self.link.state, self._facts())
@@ -474,6 +475,7 @@ class Worker:
         running = self._running.pop(instance_id)
         self._cache_reports.forget(instance_id)
         self._ready_held.discard(instance_id)
+        self._announced.discard(instance_id)
         if running.runner is not None:
             logger.info(f"stopping the runner of instance {instance_id}")
             if (
