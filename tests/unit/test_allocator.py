@@ -2,12 +2,13 @@
 what a burst freed back to the kernel within a period. Run in a child process:
 its heap is the test's alone."""
 
+import platform
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
 
 CHILD = """
 import anyio

@@ -1,13 +1,15 @@
 """Which status the API reports for a model, and when a request for a placed
 model is worth retrying (503) rather than unknown (404): pure, over the state."""
 
+from dataclasses import dataclass
+
 import pytest
 
 from exo.api.routing import cluster_models, coming_status
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.runner import RunnerStatus
 from exo.shared.types.state import State
-from tests.unit.test_apply import I1, I2, I3, MODEL, A, B, inst, runner
+from tests.unit.test_apply import I1, I2, I3, MODEL, TELEMETRY, A, B, inst, runner
 
 Runs = dict[InstanceId, tuple[NodeId, RunnerStatus | None]]
 
@@ -71,7 +73,14 @@ from exo.api.routing import (  # noqa: E402
     load_tokens,
     serving_replicas,
 )
+from exo.api.serving import ModelRouter  # noqa: E402
+from exo.shared.apply import apply  # noqa: E402
 from exo.shared.prefix_digests import DIGEST_TOKENS, prefix_digests  # noqa: E402
+from exo.shared.types.events import (  # noqa: E402
+    IndexedEvent,
+    NodeTelemetryReported,
+    ReplicaReported,
+)
 from exo.shared.types.state import NodeInfo, ReplicaReport  # noqa: E402
 
 PROMPT = list(range(40 * DIGEST_TOKENS))
@@ -220,3 +229,40 @@ def test_requests_relayed_here_count_on_a_replica_until_its_report_shows_them() 
     assert loads(newer, 10.5) == [4 + 1, 4]
     # Without a newer report, a relayed request counts for a bounded time only.
     assert loads(newer, 10.0 + UNREPORTED_SECONDS) == [4, 4]
+
+
+@dataclass
+class View:
+    """The parts of a `ClusterView` the router reads."""
+
+    node_id: NodeId
+    state: State
+
+
+def test_the_router_counts_what_it_relays_until_a_newer_report_is_applied() -> None:
+    reports = {I2: ReplicaReport(load=1), I3: ReplicaReport(load=1)}
+    C = NodeId("node-c")
+    view = View(
+        A,
+        state_of({I2: (B, "ready"), I3: (C, "ready")}).model_copy(
+            update={"nodes": {A: node_info(A), B: node_info(B), C: node_info(C)},
+                    "replicas": reports}
+        ),
+    )  # fmt: skip
+    router = ModelRouter({}, view, relay_read_timeout_seconds=3.0)  # type: ignore[arg-type]
+
+    def loads() -> list[int]:
+        return [r.load for r in router.replicas(MODEL)]
+
+    [to_b, _] = router.replicas(MODEL)
+    router.relay_to(to_b, MODEL)
+    router.relay_to(to_b, MODEL)
+    assert loads() == [3, 1]
+    # Events that leave B's report alone (through `apply`, as the node applies
+    # them) keep the count: the state keeps the report's object.
+    telemetry = NodeTelemetryReported(node_id=C, telemetry=TELEMETRY)
+    view.state = apply(view.state, IndexedEvent(idx=5, at_ms=5, origin=C, event=telemetry))
+    assert loads() == [3, 1]
+    report = ReplicaReported(node_id=B, instance_id=I2, load=3)
+    view.state = apply(view.state, IndexedEvent(idx=6, at_ms=6, origin=B, event=report))
+    assert loads() == [3, 1]  # B's own count now

@@ -98,7 +98,10 @@ class UnreportedSends:
     (a batch's replies ending together, their sessions' next turns arriving
     together) would all see the same load and go to the same replica: each
     counts on top of the replica's report until a newer report is applied
-    here (the replica has had a chance to count it), or for `UNREPORTED_SECONDS`."""
+    here, or for `UNREPORTED_SECONDS`. A heuristic: the newer report is as a
+    rule the one the replica published on the request's arrival, but one it
+    published just before (a release) settles it early. (The state keeps an
+    unchanged report's object, so `is` tells a newer one.)"""
 
     # Per replica: (when sent, monotonic seconds; its report in the state then).
     _sent: dict[InstanceId, list[tuple[float, ReplicaReport | None]]] = field(

@@ -68,5 +68,6 @@ async def release_free_memory_periodically(every_seconds: float = RELEASE_EVERY_
         return
     while True:
         await anyio.sleep(every_seconds)
-        # It takes each arena's lock: off the event loop, beside threads that allocate.
+        # In a thread: it walks every arena, taking each one's lock in turn (the
+        # event loop's allocations wait for the main arena's, briefly).
         await anyio.to_thread.run_sync(release_free_memory)
