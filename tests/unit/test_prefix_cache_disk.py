@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from loguru import logger
 
 from exo.engine.mlx.prefix_cache import KVPrefixCache
 from exo.engine.mlx.prefix_cache_disk import DiskTier, cache_namespace
@@ -128,6 +129,31 @@ def test_the_budget_is_the_nodes_for_every_folder_together(tmp_path: Path) -> No
     assert cache.stats().disk_entries == 2
     restarted = disk_cache(root, ns="new-layers", disk_budget=budget)
     assert restarted.lookup(tuple(range(300_000, 300_031))).usable == 30
+
+
+def test_a_file_another_runner_removed_for_the_budget_is_a_quiet_miss(tmp_path: Path) -> None:
+    """Runners of one node share its disk budget: one may remove another's
+    oldest file. The other finds it gone when it would load it: a miss, and
+    no warning about a damaged file."""
+    one_file = _file_size(tmp_path)
+    root = tmp_path / "c"
+    before = disk_cache(root, ns="first")
+    store_fresh(before, tuple(range(0, 30)))
+    before.persist()
+    first = disk_cache(root, ns="first")  # restarted: the entry is on disk only
+    assert first.stats().disk_entries == 1
+    second = disk_cache(root, ns="second", disk_budget=int(1.5 * one_file))
+    store_fresh(second, tuple(range(100_000, 100_030)))
+    second.persist()  # over the node's budget: the first runner's older file goes
+    assert _folder_files(root) == {"second": 1}
+    warnings: list[str] = []
+    sink = logger.add(lambda m: warnings.append(str(m)), level="WARNING", format="{message}")
+    try:
+        assert first.lookup(tuple(range(0, 31))).usable == 0
+    finally:
+        logger.remove(sink)
+    assert warnings == []
+    assert first.stats().disk_entries == 0
 
 
 def _folder_files(root: Path) -> dict[str, int]:

@@ -203,6 +203,10 @@ class DiskTier:
     def load(self, file_id: int) -> tuple[tuple[int, ...], list[LayerCache]] | None:
         """The entry's tokens and layers; None (and the file removed) if unreadable."""
         entry = self._entries[file_id]
+        if not entry.path.exists():  # another runner's budget took it: a miss, not damage
+            logger.info(f"prefix cache: {entry.path.name} left the disk (the node's budget)")
+            self._remove(file_id)
+            return None
         try:
             layers = load_prompt_cache(str(entry.path))
             mx.eval([layer.state for layer in layers])  # read it all now: fail here, not later
