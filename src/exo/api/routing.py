@@ -124,9 +124,10 @@ class UnreportedSends:
                 self._sent[instance_id] = sent
             else:
                 del self._sent[instance_id]
+        # (Only other nodes' replicas are relayed to: this node's load is live.)
         return [
             replace(r, load=r.load + len(self._sent[r.instance_id]))
-            if r.instance_id in self._sent and not r.local
+            if r.instance_id in self._sent
             else r
             for r in replicas
         ]

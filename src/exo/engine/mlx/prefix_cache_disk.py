@@ -201,7 +201,8 @@ class DiskTier:
             self._remove(file_id)
 
     def load(self, file_id: int) -> tuple[tuple[int, ...], list[LayerCache]] | None:
-        """The entry's tokens and layers; None (and the file removed) if unreadable."""
+        """The entry's tokens and layers; None (and the entry dropped) if its file
+        is gone or unreadable."""
         entry = self._entries[file_id]
         if not entry.path.exists():  # another runner's budget took it: a miss, not damage
             logger.info(f"prefix cache: {entry.path.name} left the disk (the node's budget)")
