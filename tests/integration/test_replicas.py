@@ -1,10 +1,13 @@
 """Two replicas of the built-in model on two real nodes: a session keeps hitting
 its own replica's prefix cache whichever node's API receives its turns (a
 third node serving none of them included), and goes to the other replica when
-its own node freezes."""
+its own node freezes; a stream whose replica goes before its first token
+continues on the other."""
 
+import os
 import random
 import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +21,9 @@ from playwright.sync_api import expect
 
 from exo.models.builtin import DEFAULT_MODEL_ID
 from tests.e2e.browser import PageErrors, headless_chromium
+from tests.e2e.lan_cluster import runner_pids
 from tests.e2e.node_process import NodeProcess
+from tests.e2e.test_serving_limits import metric
 from tests.integration.cluster_process import Cluster, agreed, wait_until
 
 pytestmark = pytest.mark.slow
@@ -213,3 +218,66 @@ def test_sessions_keep_their_cache_whichever_node_receives_them_and_move_when_it
         assert sessions[1].cached_tokens[-1] >= 0.95 * sessions[1].prompt_tokens[-2]
     finally:
         freeze(b, False)
+
+
+def test_a_stream_whose_replica_goes_before_its_first_token_continues_on_the_other(
+    replicas: Cluster,
+) -> None:
+    """A stream answered by B has begun (its head and keep-alives went out)
+    when B's replica is deleted and its runner dies before the first token: the
+    reply continues on A's replica, inside the answer B began. Last in this
+    module: it leaves one replica."""
+    a, b = replicas.nodes[:2]
+    b_id = b.get("/node_id")
+
+    def b_instances() -> list[str]:
+        instances = a.get("/instances")["data"]
+        return [i["instance_id"] for i in instances if [r["node_id"] for r in i["ranks"]] == [b_id]]
+
+    def placed_on_b() -> bool:
+        placed = httpx.post(
+            f"{a.base_url}/instance",
+            json={"model_id": DEFAULT_MODEL_ID, "node_id": b_id},
+            timeout=30,
+        )
+        assert placed.status_code in (201, 404), placed.text
+        return placed.status_code == 201  # 404 while B is not back in the cluster
+
+    if not b_instances():  # B's replica went when it froze (A's replica still served)
+        wait_until(placed_on_b, 60, "a replica placed on B, back from its freeze")
+    wait_until(lambda: b.runner_status() == "ready", 120, "B's replica serving")
+    wait_until(lambda: len(b.get("/instances")["data"]) == 2, 30, "both replicas in B's state")
+    [instance] = b_instances()
+    # A new prompt (cached nowhere) goes to the receiving node's own replica;
+    # long enough that its prefill is under way when B's runner freezes.
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": system_prompt(20) + " " + system_prompt(21)},
+        {"role": "user", "content": "Name the next step."},
+    ]
+    rerouted = metric(b, "exo_retried_requests_total", model=DEFAULT_MODEL_ID, where="rerouted")
+    client = OpenAI(base_url=f"{b.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    [runner] = runner_pids(b)
+    stream = client.chat.completions.create(
+        model=DEFAULT_MODEL_ID, messages=messages, max_tokens=8, temperature=0, stream=True
+    )  # returns with the answer's head: B's runner took the request
+    os.kill(runner, signal.SIGSTOP)  # no token can come from B from here on
+    try:
+        response = httpx.delete(f"{b.base_url}/instance/{instance}", timeout=30)
+        assert response.status_code == 200, response.text
+    finally:
+        os.kill(runner, signal.SIGKILL)
+    text, finish = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert finish in ("stop", "length")
+    assert "stream whose runner here was lost before its first token on node" in b.log()
+    after = metric(b, "exo_retried_requests_total", model=DEFAULT_MODEL_ID, where="rerouted")
+    assert after == rerouted + 1
+    # What A alone answers to the same prompt (greedy).
+    alone = OpenAI(base_url=f"{a.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    reply = alone.chat.completions.create(
+        model=DEFAULT_MODEL_ID, messages=messages, max_tokens=8, temperature=0
+    )
+    assert "".join(text) == reply.choices[0].message.content

@@ -7,7 +7,7 @@ from starlette.requests import Request
 
 from exo.api.auth import APIAccess, access_error
 from exo.api.instances import close_model_ids, instance_previews, known_card
-from exo.api.serving import Relay, _relay_failed, _relay_refused_key
+from exo.api.serving import Relay, _relay_refused_key, relay_failed
 from exo.master.commands import decide
 from exo.master.placement import PlacementError, PlacementRequest, preview
 from exo.models.file_source import TransientError
@@ -210,7 +210,7 @@ def test_a_relayed_401_says_it_is_the_serving_node_that_refused(
 
 
 def test_a_relay_to_a_node_that_is_gone_says_so() -> None:
-    error = _relay_failed(RELAY, httpx.ConnectError("[Errno 111] Connection refused"))
+    error = relay_failed(RELAY, httpx.ConnectError("[Errno 111] Connection refused"))
     assert "refuses connections (it may have stopped)" in error.message
     assert "ConnectError" not in error.message
 

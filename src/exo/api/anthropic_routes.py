@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 from exo.api import anthropic
 from exo.api.anthropic_types import CountTokensRequest, MessagesRequest, TokenCount
+from exo.api.continuation import streamed
 from exo.api.dispatch import dispatch
 from exo.api.generation import count_prompt_tokens, prepare_reply
 from exo.api.reply_retry import ReplyRetry
@@ -44,7 +45,11 @@ def anthropic_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter
             )
             show_thinking = anthropic.shows_thinking(body)
             if body.stream:
-                return sse_response(anthropic.message_stream(reply, show_thinking))
+                return streamed(
+                    request,
+                    reply,
+                    lambda r: sse_response(anthropic.message_stream(r, show_thinking)),
+                )
             return await until_disconnect(
                 request, lambda: anthropic.message_response(reply, show_thinking)
             )

@@ -2,7 +2,7 @@
 another node's (`choose_replica`: the longest cached prefix of the prompt,
 unless that replica is much busier), and, when the chosen one is lost before
 its answer begins, another replica or the one the master places again
-(`reply_retry`)."""
+(`reply_retry`; a stream whose answer began here: `continuation`)."""
 
 import time
 from collections.abc import Awaitable, Callable
@@ -13,6 +13,7 @@ from fastapi import Request
 from loguru import logger
 from starlette.responses import Response
 
+from exo.api.continuation import EVENTS_HEADER, continuation_for
 from exo.api.errors import APIError
 from exo.api.generation import check_prompt_size, render
 from exo.api.images import request_images
@@ -25,16 +26,19 @@ from exo.api.reply_retry import (
     lost_unanswered,
 )
 from exo.api.routing import Replica
-from exo.api.serving import ROUTED_HEADER, ModelRouter, relay, until_disconnect
+from exo.api.serving import (
+    RELAY_FAILURES,
+    ROUTED_HEADER,
+    ModelRouter,
+    relay,
+    until_disconnect,
+)
 from exo.shared.prefix_digests import prefix_digests
 from exo.shared.types.chat import ChatRequest
 from exo.shared.types.ids import InstanceId, ModelId
 from exo.worker.served_model import ServedModel
 
 T = TypeVar("T")
-
-# Errors of a relay before the serving node answered anything: another replica may.
-RELAY_FAILURES = ("relay_failed", "relay_timeout", "relay_unanswered")
 
 
 async def dispatch(
@@ -48,7 +52,12 @@ async def dispatch(
     routing chooses. `chat_for` is the request as the generation service takes
     it (rendered here to compare the prompt with what each replica cached)."""
     model_id = router.resolve(name)
-    retry = router.reply_retry(routed=ROUTED_HEADER in request.headers)
+    routed = ROUTED_HEADER in request.headers
+    retry = router.reply_retry(
+        routed,
+        reads_events=routed and EVENTS_HEADER in request.headers,
+        continue_elsewhere=None if routed else continuation_for(router, request, model_id),
+    )
     if retry.routed:  # the node that took the request chose this one
         local = router.models.get(model_id)
         if local is None:  # its instance went away meanwhile: that node routes it again

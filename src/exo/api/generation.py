@@ -403,6 +403,16 @@ class _Run:
                 back = None
                 if attempt < MAX_ATTEMPTS:
                     back = await self.retry.runner_back(model.model_id)
+                elsewhere = self.retry.continue_elsewhere
+                if back is None and self.streamed and self.started.is_set() and elsewhere:
+                    # Its answer has begun: another node's events go into it.
+                    observe_retry(model.model_id, "rerouted")
+                    lost_instance = model.runner.instance.instance_id
+                    async for event in elsewhere(lost_instance, task.tokens):
+                        if self.observer is not None and not isinstance(event, KeepAlive):
+                            self.observer.chunk()
+                        yield event
+                    return
                 if back is None:
                     tried = f"tried {attempt} times" if attempt > 1 else "not retried"
                     raise lost_unanswered(
@@ -607,7 +617,7 @@ async def prepare_reply(
         streamed=request.stream,
     )
     events = run.events()
-    if retry.routed and request.stream:
+    if retry.routed and not retry.reads_events and request.stream:
         events = await held_until(events)
     elif request.stream:
         # The answer begins once the runner took the task: a request refused

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from exo.api import ollama, ollama_models
+from exo.api.continuation import streamed
 from exo.api.dispatch import dispatch
 from exo.api.errors import APIError
 from exo.api.generation import prepare_reply
@@ -75,9 +76,15 @@ def ollama_routes(
             reply = await prepare_reply(
                 model, chat, keepalive_seconds, retry=retry, fetch_images=router.fetch_images
             )
-            assembler = ollama.ReplyAssembler(reply, shape, started)
             if chat.stream:
-                return ndjson_response(ollama.reply_lines(assembler))
+                return streamed(
+                    request,
+                    reply,
+                    lambda r: ndjson_response(
+                        ollama.reply_lines(ollama.ReplyAssembler(r, shape, started))
+                    ),
+                )
+            assembler = ollama.ReplyAssembler(reply, shape, started)
             return JSONResponse(
                 await until_disconnect(request, lambda: ollama.reply_object(assembler))
             )

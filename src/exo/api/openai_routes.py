@@ -3,6 +3,7 @@
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from exo.api.continuation import streamed
 from exo.api.dispatch import dispatch
 from exo.api.generation import prepare_reply
 from exo.api.openai_chat import (
@@ -65,7 +66,11 @@ def openai_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
                 model, chat, keepalive_seconds, retry=retry, fetch_images=router.fetch_images
             )
             if chat.stream:
-                return sse_response(chat_completion_stream(reply, chat.include_usage))
+                return streamed(
+                    request,
+                    reply,
+                    lambda r: sse_response(chat_completion_stream(r, chat.include_usage)),
+                )
             return await until_disconnect(request, lambda: chat_completion(reply))
 
         return await dispatch(router, body.model, request, chat_for, answer)
@@ -81,7 +86,11 @@ def openai_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter:
                 model, chat, keepalive_seconds, retry=retry, fetch_images=router.fetch_images
             )
             if chat.stream:
-                return sse_response(text_completion_stream(reply, chat.include_usage))
+                return streamed(
+                    request,
+                    reply,
+                    lambda r: sse_response(text_completion_stream(r, chat.include_usage)),
+                )
             return await until_disconnect(request, lambda: text_completion(reply))
 
         return await dispatch(router, body.model, request, chat_for, answer)

@@ -13,22 +13,25 @@ Where it runs again, within `seconds` of the loss (`--retry-seconds`):
   answer says it was lost unanswered (`UNANSWERED_HEADER`), and that node
   routes it again.
 
-A stream answered by this node has sent its HTTP head already, so it can run
-again only here (this node's runner restarted, or the model placed here
-again); it fails once the model serves elsewhere. A relayed stream's serving
-node holds its head until the first token (`generation.held_until`), so
-the node that took it can send it anywhere.
+A stream answered by this node has sent its HTTP head once the runner took
+it (keep-alives flow through a long prefill). When it cannot run here again
+(the model placed elsewhere, its instance deleted), it continues on another
+replica (`continuation`): that node sends the reply's events, not its API's
+answer, and this node's adapter writes them into the answer it began. A
+relayed stream's serving node holds its head until the first token
+(`generation.held_until`), so the node that took it can send it anywhere.
 """
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
 
 from exo.api.errors import APIError
+from exo.api.reply_stream import ReplyEvent
 from exo.api.routing import SERVING
-from exo.shared.types.ids import ModelId
+from exo.shared.types.ids import InstanceId, ModelId
 from exo.worker.served_model import ServedModel
 
 DEFAULT_RETRY_SECONDS = 30.0
@@ -70,6 +73,15 @@ class ReplyRetry:
     # A relayed request: its answer (the HTTP head included) begins with its
     # first token, and it waits here only for this node's runner to restart.
     routed: bool = False
+    # A routed stream whose node reads its events (`continuation`): its answer
+    # begins when the runner took it, and a loss before its first token ends
+    # it with an event that says so, for that node to send it elsewhere.
+    reads_events: bool = False
+    # A stream answered here whose runner cannot come back: its events from
+    # another replica (not the lost instance; the prompt's tokens choose it).
+    continue_elsewhere: Callable[[InstanceId, Sequence[int]], AsyncIterator[ReplyEvent]] | None = (
+        None
+    )
     _deadline: float | None = field(default=None, init=False)
 
     def deadline(self) -> float:

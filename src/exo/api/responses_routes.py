@@ -4,6 +4,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from exo.api import responses
+from exo.api.continuation import streamed
 from exo.api.dispatch import dispatch
 from exo.api.generation import prepare_reply
 from exo.api.reply_retry import ReplyRetry
@@ -33,7 +34,9 @@ def responses_routes(router: ModelRouter, keepalive_seconds: float) -> APIRouter
                 fetch_images=router.fetch_images,
             )
             if body.stream:
-                return sse_response(responses.response_stream(reply, body))
+                return streamed(
+                    request, reply, lambda r: sse_response(responses.response_stream(r, body))
+                )
             return await until_disconnect(request, lambda: responses.response_object(reply, body))
 
         return await dispatch(router, body.model, request, chat_for, answer)

@@ -17,6 +17,7 @@ from starlette.background import BackgroundTask
 from exo.api.errors import APIError, stream_error_event
 from exo.api.model_alias import ModelAlias, resolve_model
 from exo.api.reply_retry import DEFAULT_RETRY_SECONDS, UNANSWERED_HEADER, ReplyRetry
+from exo.api.reply_stream import ReplyEvent
 from exo.api.routing import (
     Replica,
     Route,
@@ -53,6 +54,8 @@ RELAYED_HEADERS = (
     "authorization",
     "x-api-key",
 )
+# Errors of a relay before the serving node answered anything: another replica may.
+RELAY_FAILURES = ("relay_failed", "relay_timeout", "relay_unanswered")
 # Headers of the serving node's answer a relay passes back.
 RELAYED_RESPONSE_HEADERS = ("retry-after", "cache-control", "x-accel-buffering")
 
@@ -127,13 +130,21 @@ class ModelRouter:
             replica.api_address, model_id, self.relay_read_timeout_seconds, replica.instance_id
         )
 
-    def reply_retry(self, routed: bool) -> ReplyRetry:
+    def reply_retry(
+        self,
+        routed: bool,
+        reads_events: bool = False,
+        continue_elsewhere: Callable[[InstanceId, Sequence[int]], AsyncIterator[ReplyEvent]]
+        | None = None,
+    ) -> ReplyRetry:
         """How a request is retried when lost before its first token (`reply_retry`)."""
         return ReplyRetry(
             self.retry_seconds,
             self.models.get,
             lambda model_id: any(not r.local for r in self.replicas(model_id)),
             routed=routed,
+            reads_events=reads_events,
+            continue_elsewhere=continue_elsewhere,
         )
 
     def failed(self, instance_id: InstanceId) -> None:
@@ -180,9 +191,9 @@ def relay_read_timeout(keepalive_seconds: float) -> float:
     return RELAY_SILENT_KEEPALIVES * keepalive_seconds
 
 
-def _relay_failed(target: Relay, error: httpx.HTTPError) -> APIError:
+def relay_failed(target: Relay, error: httpx.HTTPError) -> APIError:
     if isinstance(error, httpx.TimeoutException) and not isinstance(error, httpx.ConnectTimeout):
-        return _relay_silent(target)
+        return relay_silent(target)
     what = (
         "refuses connections (it may have stopped)"
         if isinstance(error, httpx.ConnectError)
@@ -218,7 +229,7 @@ def _relay_refused_key(target: Relay, request: Request) -> APIError:
     )
 
 
-def _relay_silent(target: Relay) -> APIError:
+def relay_silent(target: Relay) -> APIError:
     return APIError(
         504,
         f"the node serving {target.model_id} at {target.api_address} stopped answering "
@@ -237,7 +248,7 @@ async def _watch_liveness(client: httpx.AsyncClient, target: Relay) -> APIError:
         try:
             response = await client.get(url, timeout=target.read_timeout_seconds)
         except httpx.HTTPError as error:
-            return _relay_failed(target, error)
+            return relay_failed(target, error)
         if response.status_code != 200:
             return APIError(
                 502,
@@ -264,7 +275,7 @@ async def _answer_head(
             try:
                 settle(await client.send(outgoing, stream=True))
             except httpx.HTTPError as error:
-                settle(_relay_failed(target, error))
+                settle(relay_failed(target, error))
 
         async def check() -> None:
             settle(await _watch_liveness(client, target))
@@ -307,9 +318,9 @@ async def _relayed_body(
                 chunk = await anext(chunks, None)
         except (TimeoutError, httpx.HTTPError) as error:
             failure = (
-                _relay_silent(target)
+                relay_silent(target)
                 if isinstance(error, TimeoutError)
-                else _relay_failed(target, error)
+                else relay_failed(target, error)
             )
             logger.warning(f"relay ended: {failure.message}")
             # First end what the node left half sent: an event with a blank
@@ -326,16 +337,20 @@ async def _relayed_body(
         yield chunk
 
 
-async def relay(target: Relay, request: Request) -> StreamingResponse:
-    """Send the request to the node that serves the model (with the model named as
-    resolved here) and stream its answer back as it comes. A node that cannot be
-    reached is a 502, one that goes silent a 504; a client that goes away closes
-    the relay, which cancels the generation there."""
+async def open_relay(
+    target: Relay, request: Request, extra_headers: Mapping[str, str] | None = None
+) -> tuple[httpx.AsyncClient, httpx.Response]:
+    """Send the request to the node that serves the model (with the model named
+    as resolved here) and wait for its answer's head: a 502 when that node
+    cannot be reached, a 504 when it goes silent, its 401 told as a key
+    mismatch, its 503 for a request its runner lost unanswered as
+    `relay_unanswered`. The caller closes the response and the client."""
     body = json.loads(await request.body())
     body["model"] = target.model_id
     headers = {k: v for k, v in request.headers.items() if k.lower() in RELAYED_HEADERS}
     headers[ROUTED_HEADER] = "1"
-    # Reads are bounded by `_answer_head` and `_relayed_body` (an answer may take
+    headers.update(extra_headers or {})
+    # Reads are bounded by `_answer_head` and the body's reader (an answer may take
     # as long as the serving node queues and generates, as long as it is alive).
     # The client's key goes with every request, the liveness checks' included.
     client = httpx.AsyncClient(
@@ -363,6 +378,14 @@ async def relay(target: Relay, request: Request) -> StreamingResponse:
     except BaseException:
         await client.aclose()
         raise
+    return client, upstream
+
+
+async def relay(target: Relay, request: Request) -> StreamingResponse:
+    """The request answered by the node that serves the model, its answer
+    streamed back as it comes (`open_relay`). A client that goes away closes
+    the relay, which cancels the generation there."""
+    client, upstream = await open_relay(target, request)
 
     async def close() -> None:
         await upstream.aclose()
