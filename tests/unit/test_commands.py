@@ -411,6 +411,10 @@ def test_replicas_are_placed_on_nodes_of_their_own() -> None:
     assert [i.instance_id for i in created] == ["p", "p2", "p3"]
     assert sorted(i.ranks[0].node_id for i in created) == [X, Y, Z]
     assert all(len(i.ranks) == 1 for i in created)
+    # Each records how many its placement asked for: a lost one is placed again.
+    assert [i.replicas for i in created] == [3, 3, 3]
+    [single] = [e.instance for e in decide(CLUSTER, place_cmd()) if isinstance(e, InstanceCreated)]
+    assert single.replicas == 1
 
 
 def test_replicas_that_do_not_all_fit_place_none() -> None:

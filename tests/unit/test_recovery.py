@@ -228,3 +228,36 @@ def test_a_model_still_served_is_only_deleted(clock: Clock) -> None:
     rec = Recovery()
     assert kinds(rec.commands(SOLO, True, 3, served=True)) == [("delete_instance", "solo")]
     assert rec.commands(SOLO, False, 3, served=True) == []
+
+
+def replica(i: str, node: NodeId, of: int) -> Instance:
+    return inst(i, node).model_copy(update={"replicas": of})
+
+
+@pytest.mark.parametrize(
+    ("others", "of", "served"),
+    [
+        (["r2"], 2, False),  # one of 2 left: the lost one is placed again
+        (["r2", "r3"], 2, True),  # as many as asked for, another re-placed meanwhile
+        (["r2", "r3"], 3, False),
+        ([], 1, False),
+    ],
+)
+def test_a_lost_replica_is_placed_again_while_fewer_than_its_placement_asked_for_serve(
+    others: list[str], of: int, served: bool
+) -> None:
+    lost = replica("r1", A, of)
+    current = state((lost, {}), *((replica(i, B, of), {B: "ready"}) for i in others))
+    assert still_served(current, lost, []) is served
+    # Its replacement asks for as many: the next loss is judged alike.
+    assert replacement(lost, 3).replicas == of
+
+
+def test_a_model_no_replica_of_serves_is_retried_until_enough_serve(clock: Clock) -> None:
+    rec = Recovery()
+    lost = replica("r1", A, 2)
+    rec.unplaced(lost)  # no node could take it: every node serves the model
+    one_left = state((replica("r2", B, 2), {B: "ready"}))
+    assert [p.model_id for p in rec.retries(one_left, 2)] == [M]
+    enough = state((replica("r2", B, 2), {B: "ready"}), (replica("r3", C, 2), {C: "ready"}))
+    assert rec.retries(enough, 3) == []

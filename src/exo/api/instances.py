@@ -247,6 +247,7 @@ async def place_instance(
             sharding=body.sharding,
             card=card,  # the master publishes it with the instance if it is new
             replica_ids=replica_ids,
+            replicas=body.replicas,
         ),
     )
     first = await placed(cluster, instance_id, last_idx)

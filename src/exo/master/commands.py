@@ -153,6 +153,9 @@ def _create(
         max_nodes=command.max_nodes if isinstance(command, PlaceInstance) else None,
         sharding=command.sharding,
         moved=command.moved if isinstance(command, PlaceInstance) else None,
+        replicas=max(command.replicas, 1 + len(command.replica_ids))
+        if isinstance(command, PlaceInstance)
+        else 1,
     )
     return [*new_card, InstanceCreated(instance=instance)]
 

@@ -235,7 +235,7 @@ class Master:
     def tend(self) -> None:
         """One round of duties: time out silent nodes, then delete every instance
         that lost a rank (to a timeout, a node the link lost, or a failed runner)
-        and place its model again unless another instance still serves it; a
+        and place its model again unless the instances left serve it as placed; a
         model no node could take is tried again each round (for the recovery
         window), so it comes back with the first node that can hold it."""
         before = self._store.state
@@ -268,7 +268,7 @@ class Master:
             served = still_served(state, instance, damaged)
             logger.warning(
                 f"instance {instance.instance_id} of {instance.model_id} lost a rank; "
-                + ("another instance still serves it" if served else "placing it again")
+                + ("the instances left serve it as placed" if served else "placing it again")
             )
             for command in self._recovery.commands(instance, listed, available, served, moved):
                 try:

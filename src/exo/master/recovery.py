@@ -2,8 +2,11 @@
 heal itself (its group is gone), and a node that died takes its single-rank
 instances with it, so the instance is deleted and its model placed again on the
 nodes that are left, with the request it was placed with, if the model still
-fits and no other instance of it is left (each node started with `--model`
-serves its own: one node's death leaves the others serving)."""
+fits and fewer instances of it are left than its placement asked for (each
+node started with `--model` serves its own, one asked for: one node's death
+leaves the others serving; of a model placed with `replicas: N`, a lost
+replica is placed again, on a node that serves none of them, as soon as one
+can take it)."""
 
 import time
 from collections.abc import Iterable
@@ -35,15 +38,17 @@ def instances_on(state: State, nodes: Iterable[NodeId]) -> list[Instance]:
 
 
 def still_served(state: State, instance: Instance, damaged: Iterable[str]) -> bool:
-    """Whether an instance of `instance`'s model other than the `damaged` ones
-    is left, and not failed."""
+    """Whether as many instances of `instance`'s model as its placement asked
+    for are left, not failed, other than it and the `damaged` ones (so a lost
+    replica of `replicas: 2` is placed again while one other serves)."""
     lost = {instance.instance_id, *damaged}
-    return any(
+    left = sum(
         other.model_id == instance.model_id
         and other.instance_id not in lost
         and state.instance_status(other) != "failed"
         for other in state.instances.values()
     )
+    return left >= instance.replicas
 
 
 def replacement(
@@ -59,6 +64,7 @@ def replacement(
         max_nodes=instance.max_nodes,
         sharding=instance.sharding,
         moved=moved,
+        replicas=instance.replicas,
     )
 
 

@@ -40,6 +40,9 @@ class PlaceInstance(FrozenModel):
     # Ids of more instances of the model (replicas), each placed on nodes of its
     # own; all of them are placed or none.
     replica_ids: tuple[InstanceId, ...] = ()
+    # Instances of the model the cluster keeps (`Instance.replicas`): at least
+    # this command's; a re-placement of one replica keeps its placement's.
+    replicas: int = Field(default=1, ge=1)
 
 
 class DeleteInstance(FrozenModel):

@@ -79,6 +79,9 @@ class Instance(FrozenModel):
     min_nodes: int = Field(default=1, ge=1)
     max_nodes: int | None = Field(default=None, ge=1)
     sharding: Sharding = "pipeline"
+    # Instances of the model its placement asked for (`replicas`): one lost is
+    # placed again while fewer than this serve the model.
+    replicas: int = Field(default=1, ge=1)
     # Set when the master placed the model again after a failure (None: placed as asked).
     moved: Relocation | None = None
 
