@@ -247,7 +247,8 @@ def test_a_lost_replica_is_placed_again_while_fewer_than_its_placement_asked_for
     others: list[str], of: int, served: bool
 ) -> None:
     lost = replica("r1", A, of)
-    current = state((lost, {}), *((replica(i, B, of), {B: "ready"}) for i in others))
+    ready: dict[NodeId, RunnerStatus] = {B: "ready"}
+    current = state((lost, {}), *((replica(i, B, of), ready) for i in others))
     assert still_served(current, lost, []) is served
     # Its replacement asks for as many: the next loss is judged alike.
     assert replacement(lost, 3).replicas == of

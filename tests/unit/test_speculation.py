@@ -124,13 +124,6 @@ def test_verify_width_weighs_expected_tokens_against_cost(
     assert verify_width(drafts) == width
 
 
-def test_realigning_a_long_batch_cache_outweighs_its_drafts() -> None:
-    copying = [(8, 1.0)] * 4
-    assert verify_width(copying, held_tokens=400) == 9
-    assert verify_width(copying, held_tokens=20_000) == 1
-    assert verify_width([(8, 1.0)], held_tokens=20_000) == 9  # one row: nothing to realign
-
-
 # ---- verification by the sampling step ----
 
 

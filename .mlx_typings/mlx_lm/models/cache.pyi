@@ -18,6 +18,23 @@ class KVCache(_BaseCache):
     offset: int
     def __init__(self) -> None: ...
 
+class BatchKVCache(_BaseCache):
+    keys: mx.array | None
+    values: mx.array | None
+    left_padding: mx.array
+    offset: mx.array
+    _idx: int
+    def __init__(self, left_padding: list[int]) -> None: ...
+    def prepare(
+        self,
+        *,
+        left_padding: list[int] | None = ...,
+        lengths: list[int] | None = ...,
+        right_padding: list[int] | None = ...,
+    ) -> None: ...
+    def finalize(self) -> None: ...
+    def extract(self, idx: int) -> KVCache: ...
+
 class RotatingKVCache(_BaseCache):
     offset: int
     def __init__(self, max_size: int, keep: int = ...) -> None: ...

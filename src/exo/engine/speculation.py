@@ -60,13 +60,6 @@ _FIRST_ACCEPTANCE = 0.7  # a request's estimate before its first draft
 # there drafts cost less than this assumes: the choice is a cautious one.
 ROW_COST = 0.2
 DRAFT_TOKEN_COST = 0.15
-# A verify step of several rows that keep different numbers of tokens realigns
-# the batch cache after it (mlx-lm's `BatchKVCache.finalize` rolls every row's
-# keys and values), at a cost that grows with the tokens the batch holds:
-# 4 rows holding ~2,600 tokens took ~1.9 one-row steps. The built-in 135M model
-# keeps much KV per token next to its weights, so for bigger models this figure
-# is a cautious one too.
-REALIGN_COST_PER_TOKEN = 0.0007
 
 
 def step_cost(rows: int, width: int) -> float:
@@ -74,21 +67,21 @@ def step_cost(rows: int, width: int) -> float:
     return 1 + ROW_COST * (rows - 1) + DRAFT_TOKEN_COST * rows * (width - 1)
 
 
-def verify_width(drafts: Sequence[tuple[int, float]], held_tokens: int = 0) -> int:
+def verify_width(drafts: Sequence[tuple[int, float]]) -> int:
     """How many tokens each row of a batch step should feed (1: a plain step),
-    for rows' drafts given as (length, the request's acceptance estimate) in a
-    batch holding `held_tokens` in its cache: the width with the most tokens
-    expected per unit of cost. A draft's i-th token counts when it and those
-    before it are accepted (estimate ** i)."""
+    for rows' drafts given as (length, the request's acceptance estimate): the
+    width with the most tokens expected per unit of cost. A draft's i-th token
+    counts when it and those before it are accepted (estimate ** i). Cutting
+    the refused tokens out of the batch cache after it costs next to nothing
+    (`batch_order.realign`)."""
     rows = len(drafts)
-    realign = REALIGN_COST_PER_TOKEN * held_tokens if rows > 1 else 0.0
     best, best_rate = 1, rows / step_cost(rows, 1)
     for width in range(2, 2 + max((length for length, _ in drafts), default=0)):
         expected = sum(
             1 + sum(acceptance**i for i in range(1, min(length, width - 1) + 1))
             for length, acceptance in drafts
         )
-        if (rate := expected / (step_cost(rows, width) + realign)) > best_rate:
+        if (rate := expected / step_cost(rows, width)) > best_rate:
             best, best_rate = width, rate
     return best
 

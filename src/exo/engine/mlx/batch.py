@@ -48,19 +48,21 @@ it will likely write next (from its prompt, or the predicted output it was sent
 with). A decode step where a draft is worth its cost (`verify_width`) is a
 verify step: every row feeds its next input and its draft in one forward pass,
 its `SamplingStep` accepts a prefix of the draft and draws one more token, and
-the batch cache is cut back to what each row kept. Such a step reads its
-tokens back within it, as the next drafts depend on them. Only models whose
-caches can be cut back per row speculate (`can_speculate`).
+the batch cache is cut back to what each row kept (`batch_order.realign`:
+without copying what the rows hold). Such a step reads its tokens back within
+it, as the next drafts depend on them. Only models whose caches can be cut
+back per row speculate (`can_speculate`).
 """
 
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from exo.engine.mlx.batch_order import RowOrder, extract, realign
 from exo.engine.mlx.draft_model import DraftModel
 from exo.engine.mlx.generate import (
     DECODE_STREAM,
@@ -166,6 +168,8 @@ class _Request:
     input: mx.array | None = None
     pending: PendingToken | None = None
     drafter: Drafter | None = None  # speculative decoding on
+    # Where its tokens sit in its span of the batch cache (`batch_order`).
+    order: RowOrder = None
 
 
 class ContinuousBatcher:
@@ -495,8 +499,7 @@ class ContinuousBatcher:
             expected.append(
                 (len(draft.tokens), drafter.acceptance) if draft and drafter else (0, 0)
             )
-        held = sum(len(row.tokens) + len(row.generated) for row in self._rows)
-        width = verify_width(expected, held)
+        width = verify_width(expected)
         return [
             Draft(draft.tokens[: width - 1], draft.predicted) if draft and width > 1 else None
             for draft in drafts
@@ -510,7 +513,7 @@ class ContinuousBatcher:
         drafts depend on them). Each row's cache then keeps exactly the tokens
         it fed that its reply kept, as a plain step's would: the batch cache is
         cut back by the fewest refused positions, and each row's further ones
-        are rolled into its left padding (mlx-lm's `BatchKVCache.finalize`)."""
+        leave its span (`batch_order.realign`)."""
         rows = self._rows
         width = 1 + max(len(draft.tokens) if draft else 0 for draft in drafts)
         inputs = []
@@ -551,12 +554,14 @@ class ContinuousBatcher:
             kept.append(fed)
         refused = [width - n for n in kept]
         fewest = min(refused)
-        for layer in self._cache:
-            if fewest:
+        if fewest:
+            for layer in self._cache:
                 layer.trim(fewest)
-            if any(n > fewest for n in refused):
-                layer.prepare(right_padding=[n - fewest for n in refused])
-                layer.finalize()
+        batch_layers = cast(list[BatchKVCache], self._cache)  # `can_speculate`'s
+        extra = [n - fewest for n in refused]
+        orders = realign(batch_layers, extra, [row.order for row in rows])
+        for row, order in zip(rows, orders, strict=True):
+            row.order = order
         self._leave({row for row in rows if row.stream.finished and row not in failed}, outputs)
         self._leave(failed)
 
@@ -613,7 +618,12 @@ class ContinuousBatcher:
             for index, row in enumerate(self._rows):
                 if row in rows:
                     try:
-                        layers = [layer.extract(index) for layer in self._cache]
+                        layers = [
+                            extract(cast(BatchKVCache, layer), index, row.order)
+                            if row.order is not None
+                            else layer.extract(index)
+                            for layer in self._cache
+                        ]
                         self._generator.store_reply(row.tokens, row.generated, layers)
                     except Exception as error:
                         outputs[:] = [

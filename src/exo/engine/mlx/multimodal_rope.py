@@ -36,6 +36,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from exo.engine.image_positions import PositionSpan
+from exo.engine.mlx.batch_order import mark_read_by_position
 from exo.engine.mlx.prefix_cache import LayerCache
 
 
@@ -207,6 +208,7 @@ class PositionTracker:
             deltas = mx.array(span.deltas, dtype=mx.float32)[None]
         value = deltas.astype(mx.float32)[:, None, :, None]
         cache.update_and_fetch(value, value)
+        mark_read_by_position(cache)  # `_last_delta` reads a row's last slot
 
     def end(self) -> None:
         if self.state is not None:
