@@ -67,16 +67,26 @@ def realign(
         moves.append((row, start, moved))
         offsets = _offsets(order, kept)
         new_orders.append(np.where(offsets >= moved, offsets - r, offsets + (kept - moved)))
+    reordered = [cache for cache in layers if not _in_order(cache)]
+    # What moves, copied out first: then nothing but the cache holds its arrays,
+    # and MLX writes each row's slots in place (else it copies the arrays whole).
+    sources = [
+        [
+            mx.contiguous(getattr(cache, name)[row : row + 1, :, start : start + moved, :])
+            for row, start, moved in moves
+        ]
+        for cache in reordered
+        for name in ("keys", "values")
+    ]
+    mx.eval(sources)
     for cache in layers:
         if _in_order(cache):
             _roll([cache], refused)
-            continue
-        for row, start, moved in moves:
-            for name in ("keys", "values"):
-                held: mx.array = getattr(cache, name)
-                held[row : row + 1, :, end - moved : end, :] = held[
-                    row : row + 1, :, start : start + moved, :
-                ]
+    for index, cache in enumerate(reordered):
+        for which, name in enumerate(("keys", "values")):
+            held: mx.array = getattr(cache, name)
+            for (row, _, moved), source in zip(moves, sources[2 * index + which], strict=True):
+                held[row : row + 1, :, end - moved : end, :] = source
         shift = mx.array(list(refused))
         cache.left_padding = cache.left_padding + shift
         cache.offset = cache.offset - shift
