@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 CHILD = "EXO_BENCH_VERIFY_STEP_CHILD"
 ROWS = 4
@@ -77,7 +77,7 @@ def measure(contexts: list[int], steps: int, models: Path) -> None:
         """4 rows of `context` tokens each (random KV: the cost is the same)."""
         rows: list[list[KVCache]] = []
         for _ in range(ROWS):
-            caches = [KVCache() for _ in model.layers]  # pyright: ignore[reportAttributeAccessIssue]
+            caches = [KVCache() for _ in range(len(cast(list[Any], model.layers)))]  # pyright: ignore[reportAttributeAccessIssue]
             for start in range(0, context, CHUNK):
                 chunk = min(CHUNK, context - start)
                 model(mx.random.randint(0, 1000, (1, chunk)), cache=caches)
