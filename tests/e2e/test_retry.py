@@ -8,13 +8,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from typing import Any
 
 import anthropic
 import openai
 import pytest
+from openai.types.chat import ChatCompletionChunk
 
 from exo.models.builtin import DEFAULT_MODEL_ID
 from tests.e2e.lan_cluster import runner_pids
@@ -62,6 +63,11 @@ def openai_streamed(base_url: str, model: str) -> str:
         temperature=0,
         stream=True,
     )
+    return finished_text(stream)
+
+
+def finished_text(stream: Iterable[ChatCompletionChunk]) -> str:
+    """A streamed chat completion's text, once it finished normally."""
     text, finish = [], None
     for chunk in stream:
         for choice in chunk.choices:

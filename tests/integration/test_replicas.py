@@ -23,6 +23,7 @@ from exo.models.builtin import DEFAULT_MODEL_ID
 from tests.e2e.browser import PageErrors, headless_chromium
 from tests.e2e.lan_cluster import runner_pids
 from tests.e2e.node_process import NodeProcess
+from tests.e2e.test_retry import finished_text
 from tests.e2e.test_serving_limits import metric
 from tests.integration.cluster_process import Cluster, agreed, wait_until
 
@@ -272,12 +273,7 @@ def test_a_stream_whose_replica_goes_before_its_first_token_continues_on_the_oth
         assert response.status_code == 200, response.text
     finally:
         os.kill(runner, signal.SIGKILL)
-    text, finish = [], None
-    for chunk in stream:
-        for choice in chunk.choices:
-            text.append(choice.delta.content or "")
-            finish = choice.finish_reason or finish
-    assert finish in ("stop", "length")
+    text = finished_text(stream)
     assert "stream whose runner here was lost before its first token on node" in b.log()
     after = metric(b, "exo_retried_requests_total", model=DEFAULT_MODEL_ID, where="rerouted")
     assert after == rerouted + 1
@@ -286,4 +282,4 @@ def test_a_stream_whose_replica_goes_before_its_first_token_continues_on_the_oth
     reply = alone.chat.completions.create(
         model=DEFAULT_MODEL_ID, messages=messages, max_tokens=8, temperature=0
     )
-    assert "".join(text) == reply.choices[0].message.content
+    assert text == reply.choices[0].message.content

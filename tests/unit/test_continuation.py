@@ -4,12 +4,7 @@ per line, a failure as its last line), and `relayed_events` on another app
 reads them back as they were, or raises what the serving node's failure
 was, telling a loss before the first token from any other."""
 
-import asyncio
-import socket
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -19,7 +14,6 @@ from starlette.responses import PlainTextResponse, Response
 
 from exo.api.continuation import relayed_events, streamed
 from exo.api.errors import APIError, install_error_handlers
-from exo.api.http_server import api_server
 from exo.api.reply_retry import is_unanswered, lost_unanswered
 from exo.api.reply_stream import (
     KeepAlive,
@@ -36,6 +30,7 @@ from exo.engine.tool_calls.parser import ToolCallArgumentsPiece, ToolCallEnd, To
 from exo.shared.types.chat import ToolCall
 from exo.shared.types.ids import ModelId
 from exo.shared.types.tasks import Usage
+from tests.unit.test_http_server import serving_app
 
 READ_TIMEOUT = 2.0
 CALL = ToolCall(id="call_1", name="edit", arguments='{"path": "a.py"}')
@@ -69,7 +64,7 @@ async def _script(name: str) -> AsyncIterator[ReplyEvent]:
         yield TextPiece(text="Hel")
 
 
-def serving_app() -> FastAPI:
+def serving_app_of_a_node() -> FastAPI:
     """A node's route as every API's is: its reply streamed by `streamed`."""
     app = FastAPI()
     install_error_handlers(app)
@@ -85,27 +80,6 @@ def serving_app() -> FastAPI:
         return streamed(request, reply, lambda r: PlainTextResponse("the API's own answer"))
 
     return app
-
-
-@contextmanager
-def serving() -> Iterator[str]:
-    """The serving app on a loopback port (a real server, in a thread)."""
-    server = api_server(serving_app(), 10.0)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[listener])))
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        listener.close()
 
 
 def relaying_app(address: str) -> FastAPI:
@@ -140,8 +114,8 @@ async def read_from(address: str, script: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def address() -> Iterator[str]:
-    with serving() as served_at:
-        yield served_at
+    with serving_app(serving_app_of_a_node(), 10.0) as port:
+        yield f"127.0.0.1:{port}"
 
 
 async def test_every_kind_of_event_comes_back_as_it_was_sent(address: str) -> None:

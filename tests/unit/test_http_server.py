@@ -14,6 +14,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from exo.api.http_server import MIN_BODY_BYTES_PER_SECOND, api_server
 
@@ -53,7 +54,14 @@ def serving(flood: Flood) -> Iterator[int]:
     app = Starlette(
         routes=[Route("/flood", flood.endpoint), Route("/echo", echo, methods=["POST"])]
     )
-    server = api_server(app, STALL_SECONDS)
+    with serving_app(app, STALL_SECONDS) as port:
+        yield port
+
+
+@contextmanager
+def serving_app(app: ASGIApp, stall_seconds: float) -> Iterator[int]:
+    """`app` on a loopback port, served by the API's server in a thread of its own."""
+    server = api_server(app, stall_seconds)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
