@@ -14,8 +14,12 @@ median of `--steps` timings of one forward pass evaluated, cache included:
 - + realign / + roll: the verify step, then the rows keep 3, 2, 1 and 1 of
   the 3 tokens they fed, cut out by each way (its time includes the step).
 
+With `--cut-only`, only the cut is timed, on caches of the built-in model's
+shape (its layers, KV heads and head size) filled with random values: no
+forward pass, so long contexts take seconds.
+
     uv run python bench/verify_step.py
-    uv run python bench/verify_step.py --contexts 620,4000,16000 --steps 8
+    uv run python bench/verify_step.py --cut-only --contexts 620,4000,16000
 """
 
 import argparse
@@ -45,12 +49,67 @@ def main() -> int:
     parser.add_argument(
         "--models-dir", type=Path, default=None, help="a models folder (else a temporary one)"
     )
+    parser.add_argument("--cut-only", action="store_true", help="time only the cut")
     args = parser.parse_args()
     if os.environ.get(CHILD) is None:
         return _in_runner_environment()
     models = args.models_dir or Path(tempfile.mkdtemp(prefix="exo-verify-step-"))
-    measure([int(c) for c in args.contexts.split(",")], args.steps, models)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.cut_only:
+        measure_cut(contexts, args.steps, models)
+    else:
+        measure(contexts, args.steps, models)
     return 0
+
+
+def measure_cut(contexts: list[int], steps: int, models: Path) -> None:
+    import json
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from exo.engine.mlx.batch_order import realign
+    from exo.models.builtin import ensure_default_model
+
+    config = json.loads((ensure_default_model(models) / "config.json").read_text())
+    layers, heads = config["num_hidden_layers"], config["num_key_value_heads"]
+    size = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    refused = [WIDTH - k for k in KEPT]
+    extra = [r - min(refused) for r in refused]
+    print(f"{layers} layers, {heads} KV heads of {size}; {ROWS} rows, refused {extra}")
+    print(f"{'context':>8} {'realign':>10} {'roll':>10}")
+    for context in contexts:
+        cache: list[BatchKVCache] = []
+        for _ in range(layers):
+            rows = []
+            for _ in range(ROWS):
+                row = KVCache()
+                held = mx.random.normal((1, heads, context, size))
+                row.update_and_fetch(held, held)
+                rows.append(row)
+            cache.append(BatchKVCache.merge(rows))  # pyright: ignore[reportAttributeAccessIssue]
+        mx.eval([c.state for c in cache])
+        times: dict[str, list[float]] = {"realign": [], "roll": []}
+        for _ in range(steps):
+            for name in times:
+                fed = mx.random.normal((ROWS, heads, WIDTH, size))
+                for layer in cache:
+                    layer.update_and_fetch(fed, fed)
+                    layer.trim(min(refused))
+                mx.eval([c.state for c in cache])
+                before = time.perf_counter()
+                if name == "realign":
+                    realign(cache, extra, [None] * ROWS)
+                else:
+                    for layer in cache:
+                        layer.prepare(right_padding=extra)
+                        layer.finalize()
+                mx.eval([c.state for c in cache])
+                times[name].append(time.perf_counter() - before)
+                for layer in cache:  # back near the context length
+                    layer.trim(WIDTH - min(refused))
+        realigned, rolled = (statistics.median(times[n]) * 1e3 for n in ("realign", "roll"))
+        print(f"{context:>8} {realigned:>8.1f}ms {rolled:>8.1f}ms")
 
 
 def _in_runner_environment() -> int:
