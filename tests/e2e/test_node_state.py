@@ -65,6 +65,7 @@ def test_state_shows_this_node_its_instance_and_runner(node: NodeProcess) -> Non
         "min_nodes": 1,
         "max_nodes": None,
         "sharding": "pipeline",
+        "replicas": 1,  # one instance asked for: another serving it is enough
         "moved": None,  # placed as asked, not again after a failure
     }
     assert me["hostname"]  # shown beside the id on the dashboard

@@ -409,7 +409,8 @@ class _Run:
                     observe_retry(model.model_id, "rerouted")
                     lost_instance = model.runner.instance.instance_id
                     async for event in elsewhere(lost_instance, task.tokens):
-                        if self.observer is not None and not isinstance(event, KeepAlive):
+                        text = not isinstance(event, KeepAlive | TokenLogprobs | ReplyFinished)
+                        if self.observer is not None and text:
                             self.observer.chunk()
                         yield event
                     return
