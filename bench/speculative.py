@@ -356,6 +356,10 @@ def acceptance(runs: list[Run]) -> str:
     return f"{accepted}/{drafted} = {accepted / drafted:.2f}" if drafted else "0/0"
 
 
+# The workloads' names for `--workloads`, in the order they run.
+WORKLOADS = ("edit", "tool", "prose", "fresh", "streams")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every side")
@@ -365,6 +369,11 @@ def main() -> int:
         "--models-dir", type=Path, default=None, help="reuse this models folder (skips the import)"
     )
     parser.add_argument("--skip-mlx-lm", action="store_true", help="run exo only")
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"which to run, of {','.join(WORKLOADS)} (the edit one always warms up)",
+    )
     parser.add_argument("--keep-logs", action="store_true", help="keep the node's temp folder")
     args = parser.parse_args()
     if args.quick:
@@ -400,7 +409,11 @@ def main() -> int:
                 [edit_messages(*RENAMES[i % len(RENAMES)]) for i in range(STREAMS)],
                 {},
             )
-            workloads = [edit, tool, prose, fresh, streams]
+            chosen = set(args.workloads.split(","))
+            if unknown := chosen - set(WORKLOADS):
+                parser.error(f"unknown workloads {sorted(unknown)}; known: {WORKLOADS}")
+            everything = dict(zip(WORKLOADS, [edit, tool, prose, fresh, streams], strict=True))
+            workloads = [w for key, w in everything.items() if key in chosen or w is edit]
             # Warm-up, not measured: each workload's greedy replies without speculation.
             for workload in workloads:
                 workload.reference = run(without, workload, args.max_tokens).texts

@@ -34,18 +34,21 @@ def _weights(out_features: int, in_features: int, seed: int) -> mx.array:
 
 
 @needs_numba
-def test_the_kernel_is_the_matrix_product_and_a_row_s_result_does_not_depend_on_the_others() -> (
-    None
-):
+@pytest.mark.parametrize("count", [KERNEL_ROWS, KERNEL_ROWS - 1, 2])
+def test_the_kernel_is_the_matrix_product_and_a_row_s_result_does_not_depend_on_the_others(
+    count: int,
+) -> None:
     rng = np.random.default_rng(0)
-    weight = rng.standard_normal((1000, 576), dtype=np.float32)
-    rows = rng.standard_normal((KERNEL_ROWS, 576), dtype=np.float32)
+    # 1003 features: blocks of 8 and 3 summed one at a time.
+    weight = rng.standard_normal((1003, 576), dtype=np.float32)
+    rows = rng.standard_normal((count, 576), dtype=np.float32)
     got = few_rows_product(weight, rows)
-    assert got.shape == (KERNEL_ROWS, 1000) and got.dtype == np.float32
+    assert got.shape == (count, 1003) and got.dtype == np.float32
     np.testing.assert_allclose(got, rows @ weight.T, rtol=1e-4, atol=1e-4)
-    # Alone or beside others, a row gets the same bits: a batch of up to
-    # KERNEL_ROWS decodes each row as it decodes alone.
-    for j in range(KERNEL_ROWS):
+    # Alone or beside others (an odd count's last row paired with itself), a row
+    # gets the same bits: a batch of up to KERNEL_ROWS decodes each row as it
+    # decodes alone.
+    for j in range(count):
         np.testing.assert_array_equal(few_rows_product(weight, rows[j : j + 1])[0], got[j])
 
 
@@ -67,7 +70,9 @@ def test_a_few_rows_go_through_the_kernel(shape: tuple[int, ...], bias: bool) ->
 
 
 @needs_numba
-@pytest.mark.parametrize("shape", [(KERNEL_ROWS + 1, 96), (2, 3, 96), (1, 9, 96)])
+@pytest.mark.parametrize(
+    "shape", [(KERNEL_ROWS + 1, 96), (2, KERNEL_ROWS, 96), (1, 2 * KERNEL_ROWS + 1, 96)]
+)
 def test_more_rows_keep_mlx_matmul(shape: tuple[int, ...]) -> None:
     linear = nn.Linear(96, 40)
     linear.weight = _weights(40, 96, seed=3)

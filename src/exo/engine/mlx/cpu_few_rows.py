@@ -1,20 +1,22 @@
 """Decode-step matmuls on the CPU backend: a few rows times each weight matrix,
 by a kernel that reads the weights once (`few_rows_kernel`).
 
-A decode step multiplies one row per request in the batch by every weight
-matrix of the model, so it is bound by memory bandwidth. MLX's CPU backend runs
-every matmul as a BLAS `sgemm`, which packs (copies) the weight matrix before
-multiplying: for a few rows that is most of the work. Over all the matrices of
-a 135M-parameter float32 model, on a 2-core x86 VM: MLX's `sgemm` 40 ms for one
-row and 46 ms for two; BLAS `sgemv` 26 ms for one row and the same 46 ms for two
-(the matrix read once per row); the kernel 19-24 / 21-27 / 24-38 ms for 1 / 2 /
-4 rows. A whole decode step of 2 rows went from 73-83 ms to 47-63 ms.
+A decode step multiplies one row per request in the batch (and per drafted
+token, in a verify step) by every weight matrix of the model, so it is bound by
+memory bandwidth. MLX's CPU backend runs every matmul as a BLAS `sgemm`, which
+packs (copies) the weight matrix before multiplying: for a few rows that is most
+of the work. Over all the matrices of a 135M-parameter float32 model, on a
+2-core x86 VM: `sgemm` 54-96 ms for 1 to 8 rows, 95-130 ms for 10-12 and
+58-68 ms for 16 (its blocking suits 16); the kernel 11 / 19 / 27 / 34-53 /
+55-76 ms for 1 / 4 / 8 / 12 / 16 rows (`few_rows_kernel` has the finer figures).
 
 The layers here hand a float32 input of up to `KERNEL_ROWS` rows to the kernel
 on a zero-copy numpy view of the weight; more rows (prompt reading, bigger
 batches) keep MLX's matmul, where `sgemm` is the faster one. The input is
 evaluated first, one wait per distinct input (q, k and v share theirs, as gate
-and up do), ~50 µs each.
+and up do), ~50 µs each. While forward passes go through the kernel, OpenBLAS
+runs on one thread (`cpu_threads.blas_for_kernel`: its threads and the kernel's
+would take turns on the cores).
 
 Consequences for callers:
 - A forward pass of up to `KERNEL_ROWS` rows runs as it is built (`eager_rows`);
@@ -41,8 +43,11 @@ import numpy as np
 from loguru import logger
 from mlx.utils import tree_unflatten
 
-# Up to this many rows the kernel beats `sgemm` (measured above); beyond, MLX's matmul.
-KERNEL_ROWS = 4
+from exo.engine.mlx.cpu_threads import blas_for_kernel
+
+# Up to this many rows the kernel beats `sgemm` or matches it (measured above);
+# beyond, MLX's matmul. 16: a verify step of 4 requests with drafts of 3.
+KERNEL_ROWS = 16
 # How long the kernel's OpenMP threads spin after each parallel region, in a
 # pipeline rank: libgomp's default (300,000 rounds) bridges the gaps between a
 # step's matmuls (a lone runner's 2-4-row steps were ~25 % slower at 10,000), but
@@ -76,7 +81,9 @@ class _Kernel:
         `KERNEL_ROWS` rows or other dtypes."""
         few = x.size <= KERNEL_ROWS * x.shape[-1]
         if not (few and x.dtype == mx.float32 and weight.dtype == mx.float32):
+            blas_for_kernel.for_matmul()
             return None
+        blas_for_kernel.for_kernel()
         view = self.view(weight)
         mx.eval(x)
         rows = np.ascontiguousarray(np.asarray(x).reshape(-1, x.shape[-1]))

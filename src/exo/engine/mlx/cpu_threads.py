@@ -1,13 +1,21 @@
-"""The CPU backend's math on the calling thread alone, for a while: the warm-up's.
+"""How many threads the CPU backend's math libraries use: one for the
+warm-up, and OpenBLAS on one while forward passes go through the decode kernel.
 
 Two libraries run a CPU runner's math on threads of their own: OpenBLAS (MLX's
 matmuls of more than a few rows; its threads spin a while between calls, see
 `OPENBLAS_THREAD_TIMEOUT`) and numba (the decode kernel of `cpu_few_rows`, about
-200 parallel regions per token). On a busy machine each call waits for a thread
-that is not running: the warm-up of a runner started after a node's death took
-6-10 s there (2 cores, load average 4) and 1.1 s with both on one thread.
-What a warm-up prepares (compiled kernels, traced shapes) is per process, not
-per thread, so it loses nothing on one thread.
+200 parallel regions per token; its OpenMP threads spin a while after each).
+
+- On a busy machine each call waits for a thread that is not running: the
+  warm-up of a runner started after a node's death took 6-10 s there (2 cores,
+  load average 4) and 1.1 s with both on one thread. What a warm-up prepares
+  (compiled kernels, traced shapes) is per process, not per thread, so it loses
+  nothing on one thread (`one_cpu_thread`).
+- A forward pass through the kernel still calls OpenBLAS between its matmuls
+  (attention over 7 or more query tokens, as a verify step feeds); OpenBLAS's
+  threads and the kernel's spinning ones then take turns on the cores. A
+  1-row verify step of 7-12 tokens took 280-390 ms so, 115-155 ms with
+  OpenBLAS on one thread for those passes (`blas_for_kernel`), on 2 cores.
 """
 
 import ctypes
@@ -26,11 +34,36 @@ def _openblas() -> ctypes.CDLL | None:
     return process
 
 
+class _BlasThreads:
+    """OpenBLAS's thread count as forward passes switch between the kernel and
+    MLX's matmul; left alone while `one_cpu_thread` holds it."""
+
+    def __init__(self) -> None:
+        self._openblas = _openblas()
+        self._set: int | None = None  # what this switch last set; None: not since the default
+        self.held = False
+
+    def for_kernel(self) -> None:
+        if self._set != 1 and not self.held and self._openblas is not None:
+            self._default = self._openblas.openblas_get_num_threads()
+            self._openblas.openblas_set_num_threads(1)
+            self._set = 1
+
+    def for_matmul(self) -> None:
+        if self._set == 1 and not self.held and self._openblas is not None:
+            self._openblas.openblas_set_num_threads(self._default)
+            self._set = None
+
+
+blas_for_kernel = _BlasThreads()
+
+
 @contextmanager
 def one_cpu_thread() -> Iterator[None]:
     """Meanwhile OpenBLAS (process-wide) and numba's kernel (called from this
     thread: numba's count is per calling thread) use one thread; unchanged where
     they are absent or not loaded."""
+    blas_for_kernel.for_matmul()  # its default is what is restored after
     openblas = _openblas()
     numba = sys.modules.get("numba")  # imported with the kernel, if it could be
     blas_threads: int | None = openblas.openblas_get_num_threads() if openblas else None
@@ -39,9 +72,11 @@ def one_cpu_thread() -> Iterator[None]:
         openblas.openblas_set_num_threads(1)
     if numba is not None:
         numba.set_num_threads(1)
+    blas_for_kernel.held = True
     try:
         yield
     finally:
+        blas_for_kernel.held = False
         if openblas is not None and blas_threads is not None:
             openblas.openblas_set_num_threads(blas_threads)
         if numba is not None and kernel_threads is not None:

@@ -13,7 +13,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_config, load_model, load_tokenizer
 
 from exo.engine.mlx.backend import backend_name
-from exo.engine.mlx.cpu_few_rows import use_kernel_for_few_rows
+from exo.engine.mlx.cpu_attention import use_kernel_for_attention
+from exo.engine.mlx.cpu_few_rows import eager_rows, use_kernel_for_few_rows
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -80,7 +81,8 @@ def prepare_for_backend(
     model: ModuleT, config: dict[str, Any], evaluate: Callable[[str], bool] = lambda name: True
 ) -> ModuleT:
     """On the CPU backend dequantize to float32 and multiply decode steps' few
-    rows by a kernel that reads each weight once (`cpu_few_rows`); then evaluate
+    rows by a kernel that reads each weight once (`cpu_few_rows`), their
+    attention by another (`cpu_attention`); then evaluate
     the weights whose names pass `evaluate` (a pipeline rank's: the others stay
     lazy, never read).
 
@@ -93,6 +95,8 @@ def prepare_for_backend(
             model = dequantize_f32(model, evaluate)
         model.set_dtype(mx.float32)
         use_kernel_for_few_rows(model)
+        if eager_rows(model):  # the kernel could be had
+            use_kernel_for_attention(model)
     parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     mx.eval([array for name, array in parameters if evaluate(name)], _private_arrays(model))
     return model

@@ -16,7 +16,6 @@ from exo.engine.mlx.batch import (
     GenerationFailed,
     can_batch,
 )
-from exo.engine.mlx.cpu_few_rows import KERNEL_ROWS
 from exo.engine.mlx.cpu_threads import one_cpu_thread
 from exo.engine.mlx.generate import LocalModel, TextGenerator
 from exo.engine.mlx.prefix_cache import LayerCache
@@ -27,15 +26,18 @@ _PROMPT = "Hello! What can you do?"
 _REPLY_TOKENS = 3
 _TEMPERATURE = 0.7
 _TOP_P = 0.9
+# Batches of 1 to this many rows. A bigger batch's first steps are no slower than
+# its later ones after that (SmolLM2-135M, 2 cores: 10 and 17 rows, either decode
+# mode), and each further size cost ~0.25 s of every runner's start.
+_ROWS = 5
 
 
 def warm_up(model: LocalModel, caches: list[LayerCache]) -> None:
     """Generate a few tokens on `model` the ways requests do: greedy in batches of
-    every size up to one past its `eager_rows` (so both decode modes run) where
-    the model's `caches` (all its layers') batch, one at a time where not, and
-    drawn at a temperature. Call it after loading and before reporting ready (a
-    split instance's ranks all together); it raises what a request would have
-    failed with."""
+    every size up to `_ROWS` where the model's `caches` (all its layers') batch,
+    one at a time where not, and drawn at a temperature. Call it after loading and
+    before reporting ready (a split instance's ranks all together); it raises what
+    a request would have failed with."""
     with one_cpu_thread():  # see above
         _generate(model, caches)
 
@@ -43,11 +45,10 @@ def warm_up(model: LocalModel, caches: list[LayerCache]) -> None:
 def _generate(model: LocalModel, caches: list[LayerCache]) -> None:
     prompt = model.tokenizer.encode(_PROMPT)
     no_eos = {token: -100.0 for token in model.tokenizer.eos_token_ids}  # every row runs its course
-    rows = min(model.eager_rows, KERNEL_ROWS) + 1  # a split instance rank's is unbounded
     # Replies of different lengths: the batch shrinks one row at a time.
     greedy = [
         GenerationParams(max_tokens=_REPLY_TOKENS + n, temperature=0, logit_bias=no_eos)
-        for n in range(rows)
+        for n in range(_ROWS)
     ]
     drawn = GenerationParams(
         max_tokens=_REPLY_TOKENS, temperature=_TEMPERATURE, top_p=_TOP_P, seed=0, logit_bias=no_eos
