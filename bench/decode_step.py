@@ -67,6 +67,7 @@ def measure(contexts: list[int], widths: list[int], steps: int, models: Path) ->
     from mlx_lm.utils import load_model
 
     from exo.engine.mlx.cpu_attention import few_rows_attention, mlx_attention
+    from exo.engine.mlx.cpu_threads import blas_for_kernel
     from exo.engine.mlx.load import dequantize_f32, load_for_inference
     from exo.models.builtin import ensure_default_model
 
@@ -80,6 +81,7 @@ def measure(contexts: list[int], widths: list[int], steps: int, models: Path) ->
     sides = {"exo": (exo_model, few_rows_attention), "mlx-lm": (mlx_model, mlx_attention)}
 
     def filled(model: Any, context: int) -> list[Any]:
+        blas_for_kernel.for_matmul()
         cache = make_prompt_cache(model)
         for start in range(0, context, CHUNK):
             model(mx.random.randint(0, 1000, (1, min(CHUNK, context - start))), cache=cache)
@@ -87,6 +89,9 @@ def measure(contexts: list[int], widths: list[int], steps: int, models: Path) ->
         return cache
 
     def timed(model: Any, cache: list[Any], width: int) -> float:
+        # exo's kernel passes set OpenBLAS to one thread, restored by a bigger
+        # matmul of exo's: mlx-lm's side always gets OpenBLAS's own count.
+        blas_for_kernel.for_matmul()
         before = time.perf_counter()
         logits = model(mx.random.randint(0, 1000, (1, width)), cache=cache)
         mx.eval(logits, [layer.state for layer in cache])

@@ -118,3 +118,14 @@ def test_a_loaded_model_decodes_as_with_mlx_s_attention(
         logits.append(steps)
     for got, expected in zip(*logits, strict=True):
         assert mx.allclose(got, expected, rtol=1e-4, atol=1e-4).item()
+
+
+@needs_numba
+def test_values_of_another_head_size_than_the_keys_are_mlx_s_attention() -> None:
+    """Multi-head latent attention (DeepSeek-V2's): keys of 192, values of 128."""
+    keys, values = _normal(1, 2, 40, 192, seed=1), _normal(1, 2, 40, 128, seed=2)
+    queries = _normal(1, 4, 2, 192, seed=3)
+    got = few_rows_attention(queries, keys, values, None, SCALE, "causal")
+    expected = mlx_attention(queries, keys, values, None, scale=SCALE, mask="causal")
+    assert got.shape == (1, 4, 2, 128)
+    assert mx.array_equal(got, expected).item()

@@ -12,9 +12,10 @@ view of MLX's buffer) and keeps each query's scores to itself.
 It applies where the layers' matmuls go through the few-rows kernel
 (`cpu_few_rows`, up to `KERNEL_ROWS` query tokens in all, float32: the forward
 pass already runs as it is built) and the attention is the plain one: no
-quantized cache, no attention sinks, and a mask that is none, "causal" or a
-boolean array (a batch's left padding, a sliding window). Everything else,
-prompt reading included, keeps MLX's.
+quantized cache, no attention sinks, keys and values of one head size, and a
+mask that is none, "causal" or a boolean array over the keys, 2-D or one per
+row (a batch's left padding, a window's). Everything else keeps MLX's: prompts
+of more than `KERNEL_ROWS` tokens, multi-head latent attention, additive masks.
 
 mlx-lm's model files call `scaled_dot_product_attention` from their own
 namespace (imported from `mlx_lm.models.base`), so a loaded model's files get
@@ -53,13 +54,13 @@ def few_rows_attention(
 
     blas_for_kernel.for_kernel()
     mx.eval(queries, keys, values)
-    out = kernel(
-        np.ascontiguousarray(np.asarray(queries)),
+    keys_in, values_in = (
         whole_buffer(keys, getattr(cache, "keys", None)),
         whole_buffer(values, getattr(cache, "values", None)),
-        allowed,
-        scale,
     )
+    if keys_in.shape != values_in.shape:  # one read in place, the other copied: both copied
+        keys_in, values_in = (np.ascontiguousarray(np.asarray(a)) for a in (keys, values))
+    out = kernel(np.ascontiguousarray(np.asarray(queries)), keys_in, values_in, allowed, scale)
     return mx.array(out)
 
 
@@ -93,9 +94,11 @@ def _allowed(
     kernel applies; None where MLX's attention is kept."""
     if sinks is not None or hasattr(cache, "bits") or queries.ndim != 4 or keys.ndim != 4:
         return None
-    batch, heads, length, _ = queries.shape
+    batch, heads, length, depth = queries.shape
     if batch * length > cpu_few_rows.KERNEL_ROWS or heads % keys.shape[1]:
         return None
+    if keys.shape != values.shape or keys.shape[0] != batch or keys.shape[3] != depth:
+        return None  # values of another head size (multi-head latent attention): MLX's
     if not all(a.dtype == mx.float32 for a in (queries, keys, values)):
         return None
     span = keys.shape[2]
@@ -120,7 +123,8 @@ def _allowed(
         return None
     if allowed.shape[2] != span:
         return None  # not a mask over these keys: MLX's says what to make of it
-    return np.ascontiguousarray(np.broadcast_to(allowed, (allowed.shape[0], length, span)))
+    # A fresh array: writable, as the other masks are (numba compiles per flag).
+    return np.array(np.broadcast_to(allowed, (allowed.shape[0], length, span)))
 
 
 def use_kernel_for_attention(model: nn.Module) -> None:

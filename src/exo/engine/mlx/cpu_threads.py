@@ -11,11 +11,12 @@ matmuls of more than a few rows; its threads spin a while between calls, see
   load average 4) and 1.1 s with both on one thread. What a warm-up prepares
   (compiled kernels, traced shapes) is per process, not per thread, so it loses
   nothing on one thread (`one_cpu_thread`).
-- A forward pass through the kernel still calls OpenBLAS between its matmuls
-  (attention over 7 or more query tokens, as a verify step feeds); OpenBLAS's
-  threads and the kernel's spinning ones then take turns on the cores. A
-  1-row verify step of 7-12 tokens took 280-390 ms so, 115-155 ms with
-  OpenBLAS on one thread for those passes (`blas_for_kernel`), on 2 cores.
+- A forward pass through the kernel may still call OpenBLAS between its
+  matmuls (MLX's attention where `cpu_attention`'s does not apply, a mixture of
+  experts' gathered matmuls); OpenBLAS's threads and the kernel's spinning ones
+  then take turns on the cores. Before attention had a kernel, a 1-row verify
+  step of 7-12 tokens took 280-390 ms so, 115-155 ms with OpenBLAS on one
+  thread for those passes (`blas_for_kernel`), on 2 cores.
 """
 
 import ctypes
@@ -39,20 +40,27 @@ class _BlasThreads:
     MLX's matmul; left alone while `one_cpu_thread` holds it."""
 
     def __init__(self) -> None:
-        self._openblas = _openblas()
-        self._set: int | None = None  # what this switch last set; None: not since the default
-        self.held = False
+        self._default = 0  # the count before the switch went to one thread
+        self._on_one = False
+        self.holds = 0  # `one_cpu_thread`s entered and not left
+        # Looked up at the first switch, by when a runner has loaded OpenBLAS.
+        self._openblas: ctypes.CDLL | bool | None = False
+
+    def _library(self) -> ctypes.CDLL | None:
+        if self._openblas is False:
+            self._openblas = _openblas()
+        return self._openblas if isinstance(self._openblas, ctypes.CDLL) else None
 
     def for_kernel(self) -> None:
-        if self._set != 1 and not self.held and self._openblas is not None:
-            self._default = self._openblas.openblas_get_num_threads()
-            self._openblas.openblas_set_num_threads(1)
-            self._set = 1
+        if not self._on_one and not self.holds and (openblas := self._library()) is not None:
+            self._default = openblas.openblas_get_num_threads()
+            openblas.openblas_set_num_threads(1)
+            self._on_one = True
 
     def for_matmul(self) -> None:
-        if self._set == 1 and not self.held and self._openblas is not None:
-            self._openblas.openblas_set_num_threads(self._default)
-            self._set = None
+        if self._on_one and not self.holds and (openblas := self._library()) is not None:
+            openblas.openblas_set_num_threads(self._default)
+            self._on_one = False
 
 
 blas_for_kernel = _BlasThreads()
@@ -72,11 +80,11 @@ def one_cpu_thread() -> Iterator[None]:
         openblas.openblas_set_num_threads(1)
     if numba is not None:
         numba.set_num_threads(1)
-    blas_for_kernel.held = True
+    blas_for_kernel.holds += 1
     try:
         yield
     finally:
-        blas_for_kernel.held = False
+        blas_for_kernel.holds -= 1
         if openblas is not None and blas_threads is not None:
             openblas.openblas_set_num_threads(blas_threads)
         if numba is not None and kernel_threads is not None:

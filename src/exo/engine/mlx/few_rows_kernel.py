@@ -16,7 +16,8 @@ A row's result does not depend on the other rows: every sum is one chain of
 multiply-adds over the depth, vectorized the same way whichever block or
 pair it is in (an odd last row is paired with itself; the features past the
 last block of 8 are summed one at a time in both cases). So a row alone and in
-a batch get the same bits. The sums may be reordered into SIMD lanes
+a batch get the same bits (`test_cpu_few_rows` checks it: the lone row's loop
+is compiled apart from the pairs', and only the vectorizer keeps them alike). The sums may be reordered into SIMD lanes
 (`reassoc`, `contract`, `nsz`); NaN and infinity keep IEEE semantics.
 
 Attention: each (row, head) task reads its kv head's keys once for all its
@@ -141,21 +142,29 @@ def _attend(
                     total += queries[b, h, q, d] * keys[b, kv, s, d]
                 scores[q, s] = total * scale if mask[q, s] else -np.inf
         for q in range(length):
-            top = scores[q].max()
+            top = -np.inf
+            for s in range(span):
+                top = max(top, scores[q, s])
             weights = np.float32(0.0)
             for s in range(span):
                 weight = np.float32(np.exp(scores[q, s] - top)) if mask[q, s] else np.float32(0.0)
                 scores[q, s] = weight
                 weights += weight
-            if weights > 0:
-                scores[q] /= weights
-        mixed = np.zeros((length, depth), dtype=np.float32)
+            share = np.float32(1.0) / weights if weights > 0 else np.float32(0.0)
+            for s in range(span):
+                scores[q, s] *= share
+        mixed = np.empty((length, depth), dtype=np.float32)
+        for q in range(length):
+            for d in range(depth):
+                mixed[q, d] = 0.0
         for s in range(span):
             for q in range(length):
                 weight = scores[q, s]
                 for d in range(depth):
                     mixed[q, d] += weight * values[b, kv, s, d]
-        out[b, h] = mixed
+        for q in range(length):
+            for d in range(depth):
+                out[b, h, q, d] = mixed[q, d]
 
 
 def few_rows_attention(

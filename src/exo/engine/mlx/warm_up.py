@@ -4,10 +4,12 @@ The first request through a freshly loaded model pays for work later ones do
 not: MLX builds the CPU kernels of its compiled functions (a C++ compiler run
 each, ~1 s on 2 cores, kept on disk under the temp folder: a fresh machine has
 none), one for the activation of every MLP and four for a draw at a temperature,
-and traces those functions for their first shapes; the CPU decode kernel
-(`cpu_few_rows`, compiled when the model loads) runs its first parallel regions.
-`warm_up` sends a few tokens through every path a request takes, on caches of
-its own: the prefix cache is never touched.
+and traces those functions for their first shapes; the CPU decode kernels run
+their first parallel regions (`cpu_few_rows`'s is compiled when the model loads,
+`cpu_attention`'s at its first call, here, or read from numba's disk cache).
+`warm_up` sends a few tokens through the paths a request takes (decode of 1 to
+`_ROWS` rows: more rows were measured to cost nothing more at first use), on
+caches of its own: the prefix cache is never touched.
 It runs on one thread (`cpu_threads.py`): on a busy machine, a few times faster.
 """
 
