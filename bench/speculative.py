@@ -372,7 +372,7 @@ def main() -> int:
     parser.add_argument(
         "--workloads",
         default=",".join(WORKLOADS),
-        help=f"which to run, of {','.join(WORKLOADS)} (the edit one always warms up)",
+        help=f"which to run, of {','.join(WORKLOADS)} (the edit one always runs: the warm-up uses it)",
     )
     parser.add_argument("--keep-logs", action="store_true", help="keep the node's temp folder")
     args = parser.parse_args()
