@@ -13,7 +13,7 @@ from exo.engine.mlx.load import load_model_tokenizer
 from exo.models.builtin import DEFAULT_MODEL_ID
 from tests.e2e.node_process import NodeProcess, running_node
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 # Two questions of the same token length (checked below), greedy, the same number
 # of tokens generated (EOS banned): the same work for the model.

@@ -19,7 +19,7 @@ from tests.e2e.lan_cluster import chat, wait_serving
 from tests.e2e.node_process import NodeProcess, await_instance
 from tests.integration.cluster_process import Cluster, agreed, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 RECOVERY_SECONDS = 10.0
 REPLACED_SECONDS = 5.0

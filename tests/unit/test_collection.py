@@ -41,7 +41,7 @@ def without_numba(tmp_path: Path) -> dict[str, str]:
 
 def pytest_run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

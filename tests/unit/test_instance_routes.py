@@ -82,6 +82,9 @@ class LocalCluster:
             self.state = apply(self.state, indexed)
         return self.state.last_idx
 
+    def events_behind(self) -> int:
+        return 0  # the master
+
     def subscribe(self, from_idx: int) -> AsyncIterator[IndexedEvent]:
         raise NotImplementedError  # no route here reads the event stream
 

@@ -62,6 +62,7 @@ def test_a_request_is_worth_retrying_only_for_an_instance_on_its_way(
 
 # --- replicas: which one serves a request --------------------------------------------
 
+from exo.api.errors import APIError  # noqa: E402
 from exo.api.routing import (  # noqa: E402
     RUNNING_REQUEST_TOKENS,
     UNREPORTED_SECONDS,
@@ -237,6 +238,10 @@ class View:
 
     node_id: NodeId
     state: State
+    behind: int = 0
+
+    def events_behind(self) -> int:
+        return self.behind
 
 
 def test_the_router_counts_what_it_relays_until_a_newer_report_is_applied() -> None:
@@ -266,3 +271,20 @@ def test_the_router_counts_what_it_relays_until_a_newer_report_is_applied() -> N
     report = ReplicaReported(node_id=B, instance_id=I2, load=3)
     view.state = apply(view.state, IndexedEvent(idx=6, at_ms=6, origin=B, event=report))
     assert loads() == [3, 1]  # B's own count now
+
+
+def test_a_model_missing_from_a_node_behind_the_master_is_worth_a_retry() -> None:
+    """A node that set its history aside (resumed after a SIGSTOP, say) starts
+    empty and catches up: a model it does not know yet may be served."""
+    view = View(A, State(), behind=120)
+    router = ModelRouter({}, view, relay_read_timeout_seconds=3.0)  # type: ignore[arg-type]
+    with pytest.raises(APIError) as behind:
+        router.find(MODEL)
+    assert behind.value.status == 503
+    assert behind.value.headers == {"Retry-After": "2"}
+    assert "catching up with the cluster's state, 120 events behind" in behind.value.message
+    view.behind = 0
+    with pytest.raises(APIError) as caught_up:
+        router.find(MODEL)
+    assert caught_up.value.status == 404
+    assert "Available models: none" in caught_up.value.message

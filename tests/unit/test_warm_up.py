@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 # Timing noise allowance on a shared machine, on top of the ratio.
 SLOWER_AT_MOST = 1.5
 NOISE_SECONDS = 0.15
@@ -18,6 +20,8 @@ NOISE_SECONDS = 0.15
 FIRST_AND_SECOND = """
 import json, sys, time
 from pathlib import Path
+
+import pytest
 import tests  # OpenBLAS, as in the test process
 from exo.engine.mlx.batch import ContinuousBatcher
 from exo.engine.mlx.generate import LocalModel, TextGenerator
@@ -74,6 +78,7 @@ def first_and_second(model_dir: Path, tmp_path: Path, warm: bool) -> tuple[float
     return float(timed["first"]), float(timed["second"]), list(timed["compiled"])
 
 
+@pytest.mark.serial
 def test_after_warm_up_a_cold_process_s_first_request_compiles_nothing_and_is_not_slower(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

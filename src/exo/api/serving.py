@@ -164,14 +164,23 @@ class ModelRouter:
         return self.relay_to(choose_replica(replicas, None, "least-loaded").replica, model_id)
 
     def not_served(self, name: str, model_id: ModelId) -> NoReturn:
-        """A 503 when an instance of the model is on its way, else a 404."""
+        """A 503 when an instance of the model is on its way or this node's
+        state is behind the master's, else a 404."""
         coming = coming_status(self.cluster.state, model_id, self.cluster.node_id)
-        if coming is not None:
-            # Placed and on its way: worth retrying, not a 404.
+        behind = self.cluster.events_behind()
+        if coming is not None or behind:
+            # Placed and on its way, or perhaps placed in what this node has not
+            # applied yet (a resumed node that set its history aside starts
+            # empty): worth retrying, not a 404.
             called = repr(name) if name == model_id else f"{name!r} ({model_id})"
+            why = (
+                f"its instance is {coming}"
+                if coming is not None
+                else f"this node is catching up with the cluster's state, {behind} events behind"
+            )
             raise APIError(
                 503,
-                f"The model {called} is not ready yet (its instance is {coming}); retry shortly",
+                f"The model {called} is not ready yet ({why}); retry shortly",
                 "server_error",
                 "model_not_ready",
                 "model",

@@ -112,6 +112,10 @@ class ClusterLink:
     def event_log_error(self) -> str | None:
         return self.store.fault
 
+    def events_behind(self) -> int:
+        master = self.membership.master_peer()
+        return max(0, master.last_applied_idx - self.store.state.last_idx) if master else 0
+
     def subscribe(self, from_idx: int) -> AsyncIterator[IndexedEvent]:
         return self.store.subscribe(from_idx)
 

@@ -26,6 +26,12 @@ class ClusterView(Protocol):
         """Why this node cannot write its event log now (a full disk); None when it can."""
         ...
 
+    def events_behind(self) -> int:
+        """How many events the master last said it holds that this node has not
+        applied: above 0 while it catches up (after a start, or once its own
+        history was set aside), when its state may lack what the cluster has."""
+        ...
+
     def subscribe(self, from_idx: int) -> AsyncIterator[IndexedEvent]: ...
 
     def heard_ms(self) -> Mapping[NodeId, int]:
