@@ -14,6 +14,12 @@ from tests.serial import SerialLock, worker_lock
 # Tests never reach the real Hugging Face hub (nodes they start inherit this);
 # the hub tests point HF_ENDPOINT at a local fake hub and unset it.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# The suite runs on two workers (pyproject's addopts) on as many cores. OpenMP
+# threads that spin while they wait for work (the CPU decode kernel's, in the
+# test process and in the runners started here, which inherit this) would
+# then take turns with the other worker's: several times slower each. Set here,
+# not in the `tests` package, which benchmarks import and must not slow.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _serial_lock = pytest.StashKey[SerialLock | None]()
 
