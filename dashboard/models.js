@@ -4,7 +4,7 @@
 // instances, and see (and delete) the copies of models on nodes.
 
 import { api } from "./api.js";
-import { badge, bar, bytes, html, rankLayers, seconds, shortModel } from "./format.js";
+import { ago, badge, bar, bytes, html, rankLayers, seconds, shortModel } from "./format.js";
 
 const NODE_COLORS = ["#6366f1", "#0891b2", "#d97706", "#db2777", "#16a34a", "#7c3aed"];
 
@@ -165,6 +165,19 @@ export class ModelsView {
     </div>`;
   }
 
+  /** A model whose instance was lost and is not placed again (yet), and why. */
+  #unplacedCard(modelId, unplaced) {
+    const status = unplaced.given_up ? "not placed" : "waiting for a node";
+    const what = unplaced.given_up
+      ? "Lost its instance; the cluster stopped placing it again"
+      : "Lost its instance; placed again as soon as a node can take it";
+    return html`<div class="instance" data-unplaced="${modelId}" data-status="${status}">
+      <div class="instance-head"><b>${modelId}</b> ${badge(status)}
+        <span class="muted small">lost ${ago(this.cluster.nodeNow() - unplaced.since_ms)}</span></div>
+      <div class="${unplaced.given_up ? "error" : "moved"} small">${what}: ${unplaced.reason}</div>
+    </div>`;
+  }
+
   /** The instances' cards, a model's replicas grouped under it. */
   #byModel(instances) {
     const groups = new Map();
@@ -228,9 +241,12 @@ export class ModelsView {
     // A question asked about a copy that has gone since is not asked again of a new one.
     const mine = state.downloads[this.cluster.nodeId] ?? {};
     for (const modelId of this.#armed) if (!mine[modelId]) this.#armed.delete(modelId);
-    this.el.instances.innerHTML = instances.length
-      ? this.#byModel(instances).join("")
-      : html`<p class="muted">No instance yet: place a model above.</p>`.text;
+    const unplaced = Object.entries(state.unplaced ?? {}).sort(([a], [b]) => a.localeCompare(b));
+    this.el.instances.innerHTML =
+      unplaced.map(([modelId, u]) => this.#unplacedCard(modelId, u).text).join("") +
+      (instances.length || unplaced.length
+        ? this.#byModel(instances).join("")
+        : html`<p class="muted">No instance yet: place a model above.</p>`.text);
     const cards = Object.values(state.cards).sort((a, b) => a.model_id.localeCompare(b.model_id));
     this.el.datalist.innerHTML = cards.map((c) => html`<option value="${c.model_id}">`.text).join("");
     this.el.models.innerHTML = cards.length

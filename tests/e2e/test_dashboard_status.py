@@ -198,6 +198,50 @@ def test_enter_in_the_model_field_previews_and_any_option_can_be_placed(
     page.close()
 
 
+def test_a_model_whose_lost_instance_is_not_placed_again_shows_why(
+    nodes: tuple[NodeProcess, NodeProcess], browser: Browser
+) -> None:
+    """The node's real `/state`, with two models the master recorded as unplaced
+    (one still waited for, one given up on): each gets a card that says why.
+    Losing an instance for real is the chaos and soak tests'."""
+    a, _ = nodes
+    a_id = node_id(a)
+    lost = {
+        "instance_id": "i-lost",
+        "model_id": "org/waiting",
+        "ranks": [{"node_id": a_id, "start_layer": 0, "end_layer": 30}],
+    }
+    now = int(time.time() * 1000)
+    unplaced = {
+        "org/waiting": {"instance": lost, "since_ms": now - 5000,
+                        "reason": "no node has 2.0 GiB free", "given_up": False},
+        "org/stopped": {"instance": {**lost, "model_id": "org/stopped"}, "since_ms": now - 5000,
+                        "reason": "its runners failed before serving 3 times in 10 minutes",
+                        "given_up": True},
+    }  # fmt: skip
+
+    def with_unplaced(route: Route) -> None:
+        state = route.fetch().json()
+        route.fulfill(json={**state, "unplaced": unplaced})
+
+    page = browser.new_page(viewport=VIEWPORT)
+    errors = PageErrors(page)
+    page.route(lambda url: url.endswith("/state"), with_unplaced)
+    page.goto(f"{a.base_url}/#models")
+    show(page, "models")
+    waiting = page.locator("#instances [data-unplaced='org/waiting']")
+    expect(waiting).to_have_attribute("data-status", "waiting for a node")
+    expect(waiting).to_contain_text("placed again as soon as a node can take it")
+    expect(waiting).to_contain_text("no node has 2.0 GiB free")
+    expect(waiting).to_contain_text("s ago")
+    stopped = page.locator("#instances [data-unplaced='org/stopped']")
+    expect(stopped).to_have_attribute("data-status", "not placed")
+    expect(stopped.locator(".error")).to_contain_text("stopped placing it again")
+    shoot(page, "models-unplaced")
+    assert errors.seen == [], errors.seen
+    page.close()
+
+
 def test_a_killed_node_is_unreachable_at_once_and_its_own_page_links_elsewhere(
     nodes: tuple[NodeProcess, NodeProcess], browser: Browser
 ) -> None:

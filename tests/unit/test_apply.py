@@ -17,6 +17,7 @@ from exo.shared.types.events import (
     MasterElected,
     ModelCardPublished,
     ModelFoldersUnreadable,
+    ModelUnplaced,
     NodeForgotten,
     NodeJoined,
     NodeReachable,
@@ -37,6 +38,7 @@ from exo.shared.types.state import (
     NodeTelemetry,
     RunnerInfo,
     State,
+    UnplacedModel,
     UnreadableModelFolder,
 )
 from tests.unit.sharded_card import sharded_card
@@ -75,9 +77,20 @@ def inst(instance_id: InstanceId, *node_ids: NodeId, model_id: ModelId = MODEL) 
 
 
 def runner(
-    instance_id: InstanceId, node_id: NodeId, status: RunnerStatus, error: str | None = None
+    instance_id: InstanceId,
+    node_id: NodeId,
+    status: RunnerStatus,
+    error: str | None = None,
+    served: bool | None = None,
 ) -> RunnerInfo:
-    return RunnerInfo(instance_id=instance_id, node_id=node_id, status=status, error=error)
+    """A runner as `apply` records it; `served` defaults to what this status alone says."""
+    return RunnerInfo(
+        instance_id=instance_id,
+        node_id=node_id,
+        status=status,
+        error=error,
+        served=status in ("ready", "running") if served is None else served,
+    )
 
 
 def progress(
@@ -107,6 +120,10 @@ BASE = State(
     master_id=A,
     master_term=3,
     last_idx=9,
+)
+# BIG's instance I3 lost, and no node could take the model again.
+UNPLACED_BIG = UnplacedModel(
+    instance=inst(I3, A, B, model_id=BIG), since_ms=150, reason="no node has room for it"
 )
 # BASE's nodes once an event from A (at 200) was applied.
 SEEN_A = {A: node(A, seen=200), B: node(B)}
@@ -313,6 +330,30 @@ CASES: list[tuple[str, IndexedEvent, State] | tuple[str, IndexedEvent, State, St
         with_(BASE, nodes=SEEN_A),
     ),
     (
+        "a runner that had served keeps the mark when it fails",
+        ev(RunnerStatusChanged(instance_id=I1, node_id=A, status="failed", error="killed")),
+        with_(BASE, nodes=SEEN_A, runners={
+            **BASE.runners, I1: {A: runner(I1, A, "failed", "killed", served=True)}}),
+    ),
+    (
+        "a model left unplaced is recorded",
+        ev(ModelUnplaced(model_id=BIG, unplaced=UNPLACED_BIG)),
+        with_(BASE, nodes=SEEN_A, unplaced={BIG: UNPLACED_BIG}),
+    ),
+    (
+        "a model no longer waiting for a placement is dropped",
+        ev(ModelUnplaced(model_id=BIG, unplaced=None)),
+        with_(BASE, nodes=SEEN_A),
+        BASE.model_copy(update={"unplaced": {BIG: UNPLACED_BIG}}),
+    ),
+    (
+        "a new instance of an unplaced model ends its wait",
+        ev(InstanceCreated(instance=inst(InstanceId("inst-4"), B, model_id=BIG))),
+        with_(BASE, nodes=SEEN_A, instances={
+            **BASE.instances, InstanceId("inst-4"): inst(InstanceId("inst-4"), B, model_id=BIG)}),
+        BASE.model_copy(update={"unplaced": {BIG: UNPLACED_BIG}}),
+    ),
+    (
         "a card of a new model",
         ev(ModelCardPublished(card=BIG_CARD)),
         with_(BASE, nodes=SEEN_A, cards={MODEL: CARD, BIG: BIG_CARD}),
@@ -418,7 +459,8 @@ def test_every_event_kind_has_a_case() -> None:
         for cls in (NodeJoined, NodeTelemetryReported, NodeTimedOut, NodeUnreachable,
                     NodeReachable, NodeForgotten, MasterElected,
                     InstanceCreated, InstanceDeleted, RunnerStatusChanged, ModelCardPublished,
-                    DownloadProgressed, DownloadRemoved, ModelFoldersUnreadable, HistoryDiverged)
+                    DownloadProgressed, DownloadRemoved, ModelFoldersUnreadable, HistoryDiverged,
+                    ModelUnplaced)
     }  # fmt: skip
     assert kinds == all_kinds
 

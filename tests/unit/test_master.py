@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from loguru import logger
 
+from exo.master import master as master_module
 from exo.master.master import (
     Master,
     NotMaster,
@@ -14,6 +15,7 @@ from exo.master.master import (
     reachability_changes,
     timed_out_nodes,
 )
+from exo.master.recovery import GAVE_UP_SHOWN_SECONDS, MAX_REPLACEMENTS, WINDOW_SECONDS
 from exo.shared.event_log import EventLog
 from exo.shared.event_store import EventStore, now_ms
 from exo.shared.types.commands import CommandRejected, DeleteInstance, PlaceInstance
@@ -28,6 +30,7 @@ from exo.shared.types.events import (
     MasterElected,
     ModelCardPublished,
     ModelFoldersUnreadable,
+    ModelUnplaced,
     NodeForgotten,
     NodeJoined,
     NodeReachable,
@@ -225,6 +228,7 @@ MINE = {RING.instance_id: RING, ALONE.instance_id: ALONE}
         (B, NodeUnreachable(node_id=C), False),  # the master's link says who it hears
         (B, NodeReachable(node_id=B), False),
         (B, NodeForgotten(node_id=C), False),  # a user's command
+        (B, ModelUnplaced(model_id=M, unplaced=None), False),  # the master's duty
     ],
 )
 def test_what_a_node_may_originate(origin: NodeId, event: Event, allowed: bool) -> None:
@@ -432,14 +436,129 @@ def test_a_model_no_survivor_can_take_comes_back_with_its_node(tmp_path: Path) -
     del heard[B]  # B is frozen: no other node runs a worker
     master.tend()
     assert not store.state.instances  # deleted, and the placement again refused
+    # The state says so, for every node to answer it as coming back.
+    waiting = store.state.unplaced[M]
+    assert waiting.instance == ALONE and not waiting.given_up
+    assert "no node" in waiting.reason or "worker" in waiting.reason, waiting.reason
     master.tend()
     assert not store.state.instances
+    assert store.state.unplaced[M].since_ms == waiting.since_ms  # one wait, not a new one
     heard[B] = 0  # heard again: the model is placed on it
     master.tend()
     [again] = store.state.instances.values()
     assert again.node_ids == (B,) and again.instance_id != ALONE.instance_id
+    assert not store.state.unplaced
     master.tend()
     assert list(store.state.instances) == [again.instance_id]  # placed once
+
+
+def test_another_master_places_a_model_the_last_one_left_unplaced(tmp_path: Path) -> None:
+    heard = {B: 0, C: 0}
+    store, master = cluster(tmp_path, heard=heard)
+    no_worker = telemetry(8).model_copy(update={"accepts_instances": False})
+    store.index(
+        B,
+        [
+            ("card", ModelCardPublished(card=CARD)),
+            ("alone", InstanceCreated(instance=ALONE)),
+            ("no-worker-a", NodeTelemetryReported(node_id=A, telemetry=no_worker)),
+            ("no-worker-c", NodeTelemetryReported(node_id=C, telemetry=no_worker)),
+        ],
+    )
+    del heard[B]
+    master.tend()
+    assert M in store.state.unplaced
+    master.leave_office()  # it dies; the next master has only the state
+    successor = Master(store, node_timeout_seconds=60.0, duty_interval_seconds=1,
+                       heard_ms=lambda: heard)  # fmt: skip
+    successor.take_office()
+    heard[B] = 0
+    successor.tend()
+    [again] = store.state.instances.values()
+    assert again.node_ids == (B,) and not store.state.unplaced
+
+
+def test_a_model_is_placed_again_after_every_node_loss(tmp_path: Path) -> None:
+    """Lost nodes say nothing about the model: no limit on how often."""
+    heard = {B: 0, C: 0}
+    store, master = cluster(tmp_path, heard=heard)
+    master.execute(
+        "c1", B, PlaceInstance(instance_id=InstanceId("p"), model_id=M, min_nodes=2, card=CARD)
+    )
+    for _ in range(MAX_REPLACEMENTS + 2):
+        [placed] = store.state.instances.values()
+        for node in placed.node_ids:  # its runners served
+            ready = RunnerStatusChanged(
+                instance_id=placed.instance_id, node_id=node, status="ready"
+            )
+            store.index(node, [(f"ready-{placed.instance_id}-{node}", ready)])
+        lost = next(n for n in placed.node_ids if n != A)
+        del heard[lost]
+        master.tend()
+        [again] = store.state.instances.values()
+        assert again.instance_id != placed.instance_id and lost not in again.node_ids
+        heard[lost] = 0
+    assert not store.state.unplaced
+
+
+def test_a_model_whose_runners_fail_before_serving_is_given_up_on_after_the_limit(
+    tmp_path: Path,
+) -> None:
+    store, master = cluster(tmp_path, heard={B: 0, C: 0})
+    master._broken_grace_seconds = 0.0  # pyright: ignore[reportPrivateUsage]
+    master.execute(
+        "c1", B, PlaceInstance(instance_id=InstanceId("p"), model_id=M, min_nodes=2, card=CARD)
+    )
+    for attempt in range(MAX_REPLACEMENTS + 1):
+        [placed] = store.state.instances.values()
+        node = placed.node_ids[0]
+        failed = RunnerStatusChanged(
+            instance_id=placed.instance_id, node_id=node, status="failed", error="out of memory"
+        )
+        master.accept(node, [(f"f{attempt}", failed)])
+        master.tend()
+    assert not store.state.instances
+    stopped = store.state.unplaced[M]
+    assert stopped.given_up
+    assert f"failed before serving {MAX_REPLACEMENTS} times" in stopped.reason
+    assert "out of memory" in stopped.reason
+    master.tend()
+    assert not store.state.instances  # not tried again
+    # A placement by hand is the user's call: it ends the record.
+    master.execute("c2", B, PlaceInstance(instance_id=InstanceId("q"), model_id=M, card=CARD))
+    assert not store.state.unplaced
+
+
+def test_a_model_no_node_can_take_is_given_up_on_after_the_window_and_forgotten_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [now_ms()]
+    monkeypatch.setattr(master_module, "now_ms", lambda: clock[0])
+    heard = {B: 0, C: 0}
+    store, master = cluster(tmp_path, heard=heard)
+    no_worker = telemetry(8).model_copy(update={"accepts_instances": False})
+    store.index(
+        B,
+        [
+            ("card", ModelCardPublished(card=CARD)),
+            ("alone", InstanceCreated(instance=ALONE)),
+            ("no-worker-a", NodeTelemetryReported(node_id=A, telemetry=no_worker)),
+            ("no-worker-c", NodeTelemetryReported(node_id=C, telemetry=no_worker)),
+        ],
+    )
+    del heard[B]
+    master.tend()
+    assert not store.state.unplaced[M].given_up
+    clock[0] += int(WINDOW_SECONDS * 1000)
+    master.tend()
+    stopped = store.state.unplaced[M]
+    assert stopped.given_up and "no node could take it for 10 minutes" in stopped.reason
+    heard[B] = 0
+    master.tend()
+    assert not store.state.instances  # given up: not placed, though a node could take it now
+    clock[0] += int(GAVE_UP_SHOWN_SECONDS * 1000)
+    master.tend()
+    assert not store.state.unplaced
 
 
 def _marked(**unreachable: int | None) -> State:

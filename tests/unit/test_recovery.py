@@ -10,11 +10,11 @@ from exo.master.recovery import (
     WINDOW_SECONDS,
     Recovery,
     broken_instances,
+    failed_before_serving,
     instances_on,
     replacement,
     still_served,
 )
-from exo.shared.types.commands import DeleteInstance, PlaceInstance
 from exo.shared.types.ids import InstanceId, ModelId, NodeId
 from exo.shared.types.runner import RunnerStatus
 from exo.shared.types.state import Instance, InstanceRank, RunnerInfo, State
@@ -121,20 +121,9 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return fake
 
 
-def kinds(commands: list[DeleteInstance | PlaceInstance]) -> list[tuple[str, str]]:
-    """(kind, instance id for deletes / model id for placements)."""
-    return [
-        (c.kind, c.instance_id if isinstance(c, DeleteInstance) else str(c.model_id))
-        for c in commands
-    ]
-
-
-def test_recovery_deletes_and_places_again(clock: Clock) -> None:
-    commands = Recovery().commands(PAIR, still_listed=True, available_nodes=3)
-    assert kinds(commands) == [("delete_instance", "pair"), ("place_instance", M)]
-    place = commands[1]
-    assert isinstance(place, PlaceInstance)
-    assert place.instance_id != PAIR.instance_id
+def test_replacement_places_the_model_again_under_a_new_id() -> None:
+    place = replacement(PAIR, available_nodes=3)
+    assert place.model_id == M and place.instance_id != PAIR.instance_id
     assert (place.min_nodes, place.max_nodes) == (1, None)
 
 
@@ -173,61 +162,50 @@ def test_a_replacement_asks_for_the_same_sharding() -> None:
     assert (lone.min_nodes, lone.sharding) == (1, "tensor")
 
 
-def test_an_instance_already_gone_is_only_placed(clock: Clock) -> None:
-    assert kinds(Recovery().commands(PAIR, still_listed=False, available_nodes=3)) == [
-        ("place_instance", M)
-    ]
-
-
-def test_replacements_stop_after_the_limit_within_the_window(clock: Clock) -> None:
+def test_a_model_failing_before_it_serves_is_placed_again_at_most_the_limit_within_the_window(
+    clock: Clock,
+) -> None:
     rec = Recovery()
-    ids: set[InstanceId] = set()
     for _ in range(MAX_REPLACEMENTS):
-        commands = rec.commands(PAIR, still_listed=True, available_nodes=3)
-        assert kinds(commands) == [("delete_instance", "pair"), ("place_instance", M)]
-        ids.add(commands[1].instance_id)
+        assert rec.may_place_again(M, failed_before_serving=True)
         clock.now += 1
-    assert len(ids) == MAX_REPLACEMENTS  # a fresh instance id each time
-    # the limit reached: only delete, or nothing at all
-    assert kinds(rec.commands(PAIR, still_listed=True, available_nodes=3)) == [
-        ("delete_instance", "pair")
-    ]
-    assert rec.commands(PAIR, still_listed=False, available_nodes=3) == []
-    # another model has its own budget
-    assert kinds(rec.commands(TRIO_N, still_listed=False, available_nodes=3)) == [
-        ("place_instance", N)
-    ]
-    # once the first placement is older than the window, one more is allowed
+    assert not rec.may_place_again(M, failed_before_serving=True)
+    assert not rec.may_place_again(M, failed_before_serving=True)  # refusals are not counted
+    # Lost nodes and runners that had served say nothing about the model: never limited.
+    assert all(rec.may_place_again(M, failed_before_serving=False) for _ in range(10))
+    assert rec.may_place_again(N, failed_before_serving=True)  # another model: its own budget
+    # Once the first is older than the window, one more is allowed.
     clock.now = 1000.0 + WINDOW_SECONDS
-    assert kinds(rec.commands(PAIR, still_listed=False, available_nodes=3)) == [
-        ("place_instance", M)
-    ]
-    assert rec.commands(PAIR, still_listed=False, available_nodes=3) == []
+    assert rec.may_place_again(M, failed_before_serving=True)
+    assert not rec.may_place_again(M, failed_before_serving=True)
     clock.now += WINDOW_SECONDS  # all of them older than the window
-    for _ in range(MAX_REPLACEMENTS):
-        assert kinds(rec.commands(PAIR, still_listed=False, available_nodes=3)) == [
-            ("place_instance", M)
-        ]
-    assert rec.commands(PAIR, still_listed=False, available_nodes=3) == []
+    assert all(rec.may_place_again(M, failed_before_serving=True) for _ in range(MAX_REPLACEMENTS))
+    assert not rec.may_place_again(M, failed_before_serving=True)
 
 
-def test_refused_attempts_do_not_extend_the_window(clock: Clock) -> None:
-    rec = Recovery()
-    for _ in range(MAX_REPLACEMENTS):
-        rec.commands(PAIR, still_listed=False, available_nodes=3)
-    for _ in range(5):  # refused: not counted
-        clock.now += 10
-        assert rec.commands(PAIR, still_listed=False, available_nodes=3) == []
-    clock.now = 1000.0 + WINDOW_SECONDS
-    assert kinds(rec.commands(PAIR, still_listed=False, available_nodes=3)) == [
-        ("place_instance", M)
-    ]
-
-
-def test_a_model_still_served_is_only_deleted(clock: Clock) -> None:
-    rec = Recovery()
-    assert kinds(rec.commands(SOLO, True, 3, served=True)) == [("delete_instance", "solo")]
-    assert rec.commands(SOLO, False, 3, served=True) == []
+@pytest.mark.parametrize(
+    ("runners", "failed_node"),
+    [
+        ({A: ("ready", True), B: ("failed", False)}, B),  # b never loaded
+        ({A: ("failed", True), B: ("ready", True)}, None),  # a had served: a fault around it
+        ({A: ("stopped", False), B: ("loading", False)}, A),
+        ({A: ("loading", False)}, None),  # b not started: nothing failed
+    ],
+)
+def test_failed_before_serving(
+    runners: dict[NodeId, tuple[RunnerStatus, bool]], failed_node: NodeId | None
+) -> None:
+    current = State(
+        instances={PAIR.instance_id: PAIR},
+        runners={
+            PAIR.instance_id: {
+                n: RunnerInfo(instance_id=PAIR.instance_id, node_id=n, status=s, served=served)
+                for n, (s, served) in runners.items()
+            }
+        },
+    )
+    failed = failed_before_serving(current, PAIR)
+    assert (failed.node_id if failed else None) == failed_node
 
 
 def replica(i: str, node: NodeId, of: int) -> Instance:
@@ -252,13 +230,3 @@ def test_a_lost_replica_is_placed_again_while_fewer_than_its_placement_asked_for
     assert still_served(current, lost, []) is served
     # Its replacement asks for as many: the next loss is judged alike.
     assert replacement(lost, 3).replicas == of
-
-
-def test_a_model_no_replica_of_serves_is_retried_until_enough_serve(clock: Clock) -> None:
-    rec = Recovery()
-    lost = replica("r1", A, 2)
-    rec.unplaced(lost)  # no node could take it: every node serves the model
-    one_left = state((replica("r2", B, 2), {B: "ready"}))
-    assert [p.model_id for p in rec.retries(one_left, 2)] == [M]
-    enough = state((replica("r2", B, 2), {B: "ready"}), (replica("r3", C, 2), {C: "ready"}))
-    assert rec.retries(enough, 3) == []

@@ -82,7 +82,13 @@ from exo.shared.types.events import (  # noqa: E402
     NodeTelemetryReported,
     ReplicaReported,
 )
-from exo.shared.types.state import NodeInfo, ReplicaReport  # noqa: E402
+from exo.shared.types.state import (  # noqa: E402
+    Instance,
+    InstanceRank,
+    NodeInfo,
+    ReplicaReport,
+    UnplacedModel,
+)
 
 PROMPT = list(range(40 * DIGEST_TOKENS))
 BLOCKS = prefix_digests(PROMPT)
@@ -288,3 +294,28 @@ def test_a_model_missing_from_a_node_behind_the_master_is_worth_a_retry() -> Non
         router.find(MODEL)
     assert caught_up.value.status == 404
     assert "Available models: none" in caught_up.value.message
+
+
+def test_a_model_whose_lost_instance_waits_for_a_node_is_worth_a_retry_unless_given_up() -> None:
+    lost = Instance(
+        instance_id=InstanceId("lost"),
+        model_id=ModelId(MODEL),
+        ranks=(InstanceRank(node_id=B, start_layer=0, end_layer=4),),
+    )
+    waiting = UnplacedModel(instance=lost, since_ms=0, reason="no node has room for it")
+    view = View(A, State(unplaced={ModelId(MODEL): waiting}))
+    router = ModelRouter({}, view, relay_read_timeout_seconds=3.0)  # type: ignore[arg-type]
+    with pytest.raises(APIError) as coming:
+        router.find(MODEL)
+    assert coming.value.status == 503
+    assert coming.value.headers == {"Retry-After": "2"}
+    assert "placed again as soon as a node can take it (no node has room for it)" in (
+        coming.value.message
+    )
+    stopped = waiting.model_copy(update={"given_up": True, "reason": "its runners failed"})
+    view.state = State(unplaced={ModelId(MODEL): stopped})
+    with pytest.raises(APIError) as given_up:
+        router.find(MODEL)
+    assert given_up.value.status == 503 and "Retry-After" not in given_up.value.headers
+    assert given_up.value.code == "model_not_placed"
+    assert "stopped placing it again: its runners failed" in given_up.value.message

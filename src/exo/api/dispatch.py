@@ -71,6 +71,8 @@ async def dispatch(
             # Within --retry-seconds of the first loss (also when it was this node's).
             replicas, local = await _back(router, model_id, tried, lost_local, retry.deadline())
             if not replicas and local is None:
+                if model_id in router.cluster.state.unplaced:
+                    router.not_served(name, model_id)  # waits for a node: says so
                 raise failure
             observe_retry(model_id, "rerouted")
         else:

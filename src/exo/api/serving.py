@@ -164,18 +164,34 @@ class ModelRouter:
         return self.relay_to(choose_replica(replicas, None, "least-loaded").replica, model_id)
 
     def not_served(self, name: str, model_id: ModelId) -> NoReturn:
-        """A 503 when an instance of the model is on its way or this node's
-        state is behind the master's, else a 404."""
-        coming = coming_status(self.cluster.state, model_id, self.cluster.node_id)
+        """A 503 when an instance of the model is on its way, its lost instance
+        waits for a node that can take it, or this node's state is behind the
+        master's; else a 404."""
+        state = self.cluster.state
+        called = repr(name) if name == model_id else f"{name!r} ({model_id})"
+        unplaced = state.unplaced.get(model_id)
+        if unplaced is not None and unplaced.given_up:
+            raise APIError(
+                503,
+                f"The model {called} lost its instance and the cluster stopped placing it "
+                f"again: {unplaced.reason}",
+                "server_error",
+                "model_not_placed",
+                "model",
+            )
+        coming = coming_status(state, model_id, self.cluster.node_id)
         behind = self.cluster.events_behind()
-        if coming is not None or behind:
-            # Placed and on its way, or perhaps placed in what this node has not
-            # applied yet (a resumed node that set its history aside starts
-            # empty): worth retrying, not a 404.
-            called = repr(name) if name == model_id else f"{name!r} ({model_id})"
+        if coming is not None or behind or unplaced is not None:
+            # Placed and on its way, lost and placed again as soon as a node can
+            # take it, or perhaps placed in what this node has not applied yet (a
+            # resumed node that set its history aside starts empty): worth
+            # retrying, not a 404.
             why = (
                 f"its instance is {coming}"
                 if coming is not None
+                else f"its instance was lost; it is placed again as soon as a node can take it "
+                f"({unplaced.reason})"
+                if unplaced is not None
                 else f"this node is catching up with the cluster's state, {behind} events behind"
             )
             raise APIError(

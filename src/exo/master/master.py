@@ -20,9 +20,20 @@ import anyio
 from loguru import logger
 
 from exo.master.commands import decide
-from exo.master.recovery import Recovery, broken_instances, instances_on, still_served
+from exo.master.recovery import (
+    GAVE_UP_SHOWN_SECONDS,
+    WINDOW_SECONDS,
+    Recovery,
+    broken_instances,
+    failed_before_serving,
+    gave_up,
+    instances_on,
+    replacement,
+    still_served,
+    waited_too_long,
+)
 from exo.shared.event_store import EventLogUnavailable, EventStore, now_ms, with_ids
-from exo.shared.types.commands import Command, CommandRejected, PlaceInstance
+from exo.shared.types.commands import Command, CommandRejected, DeleteInstance
 from exo.shared.types.events import (
     DownloadProgressed,
     DownloadRemoved,
@@ -33,6 +44,7 @@ from exo.shared.types.events import (
     MasterElected,
     ModelCardPublished,
     ModelFoldersUnreadable,
+    ModelUnplaced,
     NodeForgotten,
     NodeJoined,
     NodeReachable,
@@ -43,7 +55,7 @@ from exo.shared.types.events import (
     RunnerStatusChanged,
 )
 from exo.shared.types.ids import InstanceId, NodeId
-from exo.shared.types.state import Instance, NodeInfo, Relocation, State
+from exo.shared.types.state import Instance, NodeInfo, Relocation, State, UnplacedModel
 
 # A ring's runners fail as soon as one of its nodes dies, often a moment before
 # the link notices that node is gone: an instance with a failed rank is placed
@@ -106,6 +118,7 @@ def may_originate(state: State, origin: NodeId, event: Event) -> bool:
             | NodeForgotten()
             | MasterElected()
             | InstanceCreated()
+            | ModelUnplaced()
         ):
             return False
 
@@ -270,20 +283,64 @@ class Master:
                 f"instance {instance.instance_id} of {instance.model_id} lost a rank; "
                 + ("the instances left serve it as placed" if served else "placing it again")
             )
-            for command in self._recovery.commands(instance, listed, available, served, moved):
+            if listed:
+                delete = DeleteInstance(instance_id=instance.instance_id)
+                self.execute(uuid.uuid4().hex, self.node_id, delete)
+            if not served:
+                self._place_again(state, instance, available, moved)
+        self._retry_unplaced(available)
+
+    def _place_again(
+        self, state: State, instance: Instance, available: int, moved: Relocation
+    ) -> None:
+        """Place a lost instance's model again, unless it keeps failing before
+        it serves; what cannot be placed now is recorded for the next rounds
+        (and the next master)."""
+        failed = failed_before_serving(state, instance)
+        if not self._recovery.may_place_again(instance.model_id, failed is not None):
+            assert failed is not None
+            logger.error(f"{instance.model_id} is not placed again: {gave_up(failed)}")
+            self._unplaced(instance, gave_up(failed), given_up=True)
+            return
+        try:
+            self.execute(uuid.uuid4().hex, self.node_id, replacement(instance, available, moved))
+        except CommandRejected as error:
+            logger.warning(f"cannot place {instance.model_id} again yet: {error}")
+            self._unplaced(instance, str(error))
+
+    def _retry_unplaced(self, available: int) -> None:
+        """Each round, the models recorded as unplaced: placed again when a node
+        can take them, dropped when others serve them as placed, given up on
+        after the window (and forgotten an hour later)."""
+        for model_id, unplaced in sorted(self._store.state.unplaced.items()):
+            age = (now_ms() - unplaced.since_ms) / 1000
+            if unplaced.given_up:
+                if age >= GAVE_UP_SHOWN_SECONDS:
+                    self._index([ModelUnplaced(model_id=model_id, unplaced=None)])
+            elif still_served(self._store.state, unplaced.instance, ()):
+                self._index([ModelUnplaced(model_id=model_id, unplaced=None)])
+            elif age >= WINDOW_SECONDS:
+                logger.error(f"{model_id} is not placed again: {waited_too_long(unplaced)}")
+                self._unplaced(unplaced.instance, waited_too_long(unplaced), given_up=True)
+            else:
                 try:
-                    self.execute(uuid.uuid4().hex, self.node_id, command)
-                except CommandRejected as error:
-                    logger.warning(f"cannot place {instance.model_id} again: {error}")
-                    if isinstance(command, PlaceInstance):
-                        self._recovery.unplaced(instance)
-        for command in self._recovery.retries(self._store.state, available):
-            try:
-                self.execute(uuid.uuid4().hex, self.node_id, command)
-            except CommandRejected:
-                continue  # still no room: the next round tries again
-            logger.info(f"{command.model_id} placed again, now that a node can take it")
-            self._recovery.placed(command.model_id)
+                    self.execute(
+                        uuid.uuid4().hex, self.node_id, replacement(unplaced.instance, available)
+                    )
+                except CommandRejected:
+                    continue  # still no room: the next round tries again
+                logger.info(f"{model_id} placed again, now that a node can take it")
+
+    def _unplaced(self, instance: Instance, reason: str, given_up: bool = False) -> None:
+        """Record (in the state) that `instance`'s model is not placed, and why."""
+        known = self._store.state.unplaced.get(instance.model_id)
+        record = UnplacedModel(
+            instance=instance,
+            since_ms=known.since_ms if known is not None else now_ms(),
+            reason=reason,
+            given_up=given_up,
+        )
+        self._index([ModelUnplaced(model_id=instance.model_id, unplaced=record)])
 
     def _broken_long_enough(self, state: State) -> list[Instance]:
         """The instances with a failed rank that have been so for the grace."""

@@ -6,20 +6,25 @@ fits and fewer instances of it are left than its placement asked for (each
 node started with `--model` serves its own, one asked for: one node's death
 leaves the others serving; of a model placed with `replicas: N`, a lost
 replica is placed again, on a node that serves none of them, as soon as one
-can take it)."""
+can take it). A model no node can take now is recorded in the state
+(`State.unplaced`): whichever node is master tries it again each round for
+`WINDOW_SECONDS`, and every node answers its requests with a 503 meanwhile."""
 
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from exo.shared.types.commands import DeleteInstance, PlaceInstance
+from exo.shared.types.commands import PlaceInstance
 from exo.shared.types.ids import ModelId, NodeId, new_instance_id
-from exo.shared.types.state import Instance, Relocation, State
+from exo.shared.types.state import Instance, Relocation, RunnerInfo, State, UnplacedModel
 
-# At most this many re-placements of one model per window (a model that fails
-# on every placement must not loop).
+# At most this many re-placements of one model per window after a runner of it
+# failed before serving (a model that fails on every placement must not loop).
 MAX_REPLACEMENTS = 3
+# How long a lost model no node can take is tried again, and the guard's window.
 WINDOW_SECONDS = 600.0
+# How long a model the master stopped placing again is shown as such.
+GAVE_UP_SHOWN_SECONDS = 3600.0
 
 
 def broken_instances(state: State) -> list[Instance]:
@@ -68,49 +73,57 @@ def replacement(
     )
 
 
+def failed_before_serving(state: State, instance: Instance) -> RunnerInfo | None:
+    """A failed rank's runner of `instance` that was never ready: its failure
+    may be the model's own (it cannot load there), unlike a rank lost to a
+    node's death or to a peer's."""
+    runners = state.runners.get(instance.instance_id, {})
+    return next(
+        (
+            runner
+            for runner in runners.values()
+            if runner.status in ("failed", "stopped") and not runner.served
+        ),
+        None,
+    )
+
+
 @dataclass
 class Recovery:
+    """The master's guard against a model that fails on every placement: it is
+    placed again at most `MAX_REPLACEMENTS` times in `WINDOW_SECONDS` after a
+    runner of it failed before it ever served. A lost node, or a runner that had
+    served, says nothing about the model: those are always placed again."""
+
     _history: dict[ModelId, list[float]] = field(default_factory=dict)
-    # Models whose placement again found no room: (the lost instance, since when).
-    _unplaced: dict[ModelId, tuple[Instance, float]] = field(default_factory=dict)
 
-    def unplaced(self, instance: Instance) -> None:
-        """Placing `instance`'s model again was refused (no node could take it):
-        `retries` offers it again for a while, e.g. until its node is back."""
-        self._unplaced.setdefault(instance.model_id, (instance, time.monotonic()))
-
-    def placed(self, model_id: ModelId) -> None:
-        self._unplaced.pop(model_id, None)
-
-    def retries(self, state: State, available_nodes: int) -> list[PlaceInstance]:
-        """The placements to try again: models refused within the window that no
-        instance serves meanwhile."""
+    def may_place_again(self, model_id: ModelId, failed_before_serving: bool) -> bool:
+        """Whether the model is placed again now (counted when it failed before
+        serving)."""
+        if not failed_before_serving:
+            return True
         now = time.monotonic()
-        for model_id, (instance, since) in list(self._unplaced.items()):
-            if now - since >= WINDOW_SECONDS or still_served(state, instance, ()):
-                del self._unplaced[model_id]
-        return [replacement(i, available_nodes) for i, _ in self._unplaced.values()]
-
-    def commands(
-        self,
-        instance: Instance,
-        still_listed: bool,
-        available_nodes: int,
-        served: bool = False,
-        moved: Relocation | None = None,
-    ) -> list[DeleteInstance | PlaceInstance]:
-        """Delete `instance` (when the state still lists it) and place its model
-        again on `available_nodes` nodes at most, unless another instance still
-        `served` it or it was re-placed too often lately."""
-        commands: list[DeleteInstance | PlaceInstance] = (
-            [DeleteInstance(instance_id=instance.instance_id)] if still_listed else []
-        )
-        if served:
-            return commands
-        now = time.monotonic()
-        recent = [t for t in self._history.get(instance.model_id, []) if now - t < WINDOW_SECONDS]
-        if len(recent) < MAX_REPLACEMENTS:
+        recent = [t for t in self._history.get(model_id, []) if now - t < WINDOW_SECONDS]
+        allowed = len(recent) < MAX_REPLACEMENTS
+        if allowed:
             recent.append(now)
-            commands.append(replacement(instance, available_nodes, moved))
-        self._history[instance.model_id] = recent
-        return commands
+        self._history[model_id] = recent
+        return allowed
+
+
+def gave_up(runner: RunnerInfo) -> str:
+    """Why a model is not placed again: its runners keep failing before they serve."""
+    minutes = round(WINDOW_SECONDS / 60)
+    last = f" (the last, on node {runner.node_id}: {runner.error})" if runner.error else ""
+    return (
+        f"its runners failed before serving {MAX_REPLACEMENTS} times in {minutes} minutes{last}; "
+        "place it again once the cause is fixed"
+    )
+
+
+def waited_too_long(unplaced: UnplacedModel) -> str:
+    minutes = round(WINDOW_SECONDS / 60)
+    return (
+        f"no node could take it for {minutes} minutes (the last reason: {unplaced.reason}); "
+        "place it again when a node can"
+    )

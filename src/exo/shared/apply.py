@@ -15,6 +15,7 @@ from exo.shared.types.events import (
     MasterElected,
     ModelCardPublished,
     ModelFoldersUnreadable,
+    ModelUnplaced,
     NodeForgotten,
     NodeJoined,
     NodeReachable,
@@ -116,7 +117,10 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
             if any(node_id not in state.nodes for node_id in event.instance.node_ids):
                 return state
             instances = {**state.instances, event.instance.instance_id: event.instance}
-            return state.model_copy(update={"instances": instances})
+            # Placed again (or by hand): no longer waiting for a placement.
+            model_id = event.instance.model_id
+            unplaced = {k: v for k, v in state.unplaced.items() if k != model_id}
+            return state.model_copy(update={"instances": instances, "unplaced": unplaced})
         case InstanceDeleted():
             return state.model_copy(
                 update={
@@ -131,11 +135,13 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
             instance = state.instances.get(event.instance_id)
             if instance is None or event.node_id not in instance.node_ids:
                 return state
+            known = state.runners.get(event.instance_id, {}).get(event.node_id)
             runner = RunnerInfo(
                 instance_id=event.instance_id,
                 node_id=event.node_id,
                 status=event.status,
                 error=event.error,
+                served=event.status in ("ready", "running") or (known is not None and known.served),
             )
             ranks = {**state.runners.get(event.instance_id, {}), event.node_id: runner}
             return state.model_copy(update={"runners": {**state.runners, event.instance_id: ranks}})
@@ -185,6 +191,11 @@ def _apply_event(state: State, indexed: IndexedEvent) -> State:
         case HistoryDiverged():
             set_aside = {**state.set_aside, event.node_id: event.set_aside}
             return state.model_copy(update={"set_aside": set_aside})
+        case ModelUnplaced():
+            unplaced = {k: v for k, v in state.unplaced.items() if k != event.model_id}
+            if event.unplaced is not None:
+                unplaced[event.model_id] = event.unplaced
+            return state.model_copy(update={"unplaced": unplaced})
 
 
 def apply(state: State, indexed: IndexedEvent) -> State:

@@ -13,6 +13,7 @@ from exo.shared.types.state import (
     HistorySetAside,
     Instance,
     NodeTelemetry,
+    UnplacedModel,
     UnreadableModelFolder,
 )
 
@@ -140,6 +141,15 @@ class HistoryDiverged(FrozenModel):
     set_aside: HistorySetAside
 
 
+class ModelUnplaced(FrozenModel):
+    """The master could not place a lost instance's model again yet, or stopped
+    trying (`unplaced`); None: it need not any more (others serve it as placed)."""
+
+    kind: Literal["model_unplaced"] = "model_unplaced"
+    model_id: ModelId
+    unplaced: UnplacedModel | None
+
+
 Event = Annotated[
     NodeJoined
     | NodeTelemetryReported
@@ -156,7 +166,8 @@ Event = Annotated[
     | DownloadRemoved
     | ModelFoldersUnreadable
     | ReplicaReported
-    | HistoryDiverged,
+    | HistoryDiverged
+    | ModelUnplaced,
     Field(discriminator="kind"),
 ]
 

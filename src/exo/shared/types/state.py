@@ -106,6 +106,9 @@ class RunnerInfo(FrozenModel):
     node_id: NodeId
     status: RunnerStatus
     error: str | None = None
+    # Whether it has been ready since it was placed: a failure before that may
+    # be the model's own (it cannot load), not a fault around it.
+    served: bool = False
 
 
 class UnreadableModelFolder(FrozenModel):
@@ -124,6 +127,18 @@ class ReplicaReport(FrozenModel):
     # What a request waiting for a slot there costs, in prompt tokens it could
     # prefill meanwhile (`ModelGate.wait_tokens`); None: not measured yet.
     wait_tokens: int | None = None
+
+
+class UnplacedModel(FrozenModel):
+    """A model whose instance was lost and that is not placed again yet. The
+    state holds it so that every master keeps trying (not only the one that
+    lost it), and every node answers it as coming back, not as unknown."""
+
+    instance: Instance  # the lost instance: its placement request is asked for again
+    since_ms: int  # master clock when it was first left unplaced
+    # Why it is not placed: the last refusal, or why the master stopped trying.
+    reason: str
+    given_up: bool = False  # True: not tried again (False: tried each round)
 
 
 class HistorySetAside(FrozenModel):
@@ -162,6 +177,9 @@ class State(FrozenModel):
     # The latest history each node set aside (`HistoryDiverged`): after a
     # partition, what the side that lost had done is not silently gone.
     set_aside: dict[NodeId, HistorySetAside] = Field(default_factory=dict)
+    # Models whose lost instance is not placed again yet (cleared by a new
+    # instance of the model).
+    unplaced: dict[ModelId, UnplacedModel] = Field(default_factory=dict)
     # Index of the last applied event; -1 before the first.
     last_idx: int = -1
 
