@@ -60,6 +60,21 @@ def test_a_request_is_worth_retrying_only_for_an_instance_on_its_way(
     assert coming_status(state, ModelId("org/other"), A) is None
 
 
+def test_an_instance_on_a_node_the_master_just_lost_is_worth_a_retry() -> None:
+    """Between the master marking its node unreachable and the model placed
+    again, a node applying the log sees it serving there: a 503, not a 404."""
+    lost = NodeInfo(node_id=B, grpc_address=None, started_at_ms=0, last_seen_ms=0,
+                    unreachable_since_ms=5)  # fmt: skip
+    state = state_of({I1: (B, "ready")}).model_copy(update={"nodes": {B: lost}})
+    assert coming_status(state, MODEL, A) == "moving off a node that was lost"
+    view = View(A, state)
+    router = ModelRouter({}, view, relay_read_timeout_seconds=3.0)  # type: ignore[arg-type]
+    with pytest.raises(APIError) as moving:
+        router.find(MODEL)
+    assert moving.value.status == 503 and moving.value.headers == {"Retry-After": "2"}
+    assert "its instance is moving off a node that was lost" in moving.value.message
+
+
 # --- replicas: which one serves a request --------------------------------------------
 
 from exo.api.errors import APIError  # noqa: E402

@@ -27,6 +27,7 @@ from exo.api.reply_retry import (
 )
 from exo.api.routing import Replica
 from exo.api.serving import (
+    NOT_READY_RETRY_SECONDS,
     RELAY_FAILURES,
     ROUTED_HEADER,
     ModelRouter,
@@ -73,7 +74,7 @@ async def dispatch(
             if not replicas and local is None:
                 if model_id in router.cluster.state.unplaced:
                     router.not_served(name, model_id)  # waits for a node: says so
-                raise failure
+                raise worth_sending_again(failure)
             observe_retry(model_id, "rerouted")
         else:
             replicas = router.replicas(model_id)
@@ -129,7 +130,23 @@ async def dispatch(
                 tried.add(local.runner.instance.instance_id)
                 lost_local, failure = local, error
     assert failure is not None
-    raise failure
+    raise worth_sending_again(failure)
+
+
+def worth_sending_again(failure: APIError) -> APIError:
+    """The last loss of a request lost before its answer began, with
+    `Retry-After`: nothing of it reached the client, and its model's runner
+    restarts or is placed again, so sending it again shortly is safe and
+    likely to be answered (a fault storm can take its instances down several
+    times within a second)."""
+    return APIError(
+        failure.status,
+        f"{failure.message}; nothing was answered: send it again shortly",
+        failure.error_type,
+        failure.code,
+        failure.param,
+        headers={**failure.headers, "Retry-After": str(NOT_READY_RETRY_SECONDS)},
+    )
 
 
 async def _back(

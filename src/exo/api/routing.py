@@ -199,7 +199,8 @@ def coming_status(state: State, model_id: ModelId, self_id: NodeId) -> str | Non
     """How far an instance of `model_id` that is about to serve has got: still
     downloading, starting or loading, or ready with its first rank on this node a
     moment before this node's API serves it ("starting"), or failed: its runner
-    restarts or the master places it again ("restarting"); None when none is."""
+    restarts or the master places it again ("restarting"), or on a node the
+    master lost ("moving …"); None when none is."""
     coming: str | None = None
     for _, instance in sorted(state.instances.items()):
         if instance.model_id != model_id:
@@ -207,8 +208,12 @@ def coming_status(state: State, model_id: ModelId, self_id: NodeId) -> str | Non
         status = state.instance_status(instance)
         if status in COMING:
             return status
-        if status in SERVING and instance.ranks[0].node_id == self_id:
+        first = instance.ranks[0].node_id
+        if status in SERVING and first == self_id:
             return "starting"
         if status == "failed":
             coming = "restarting"
+        elif (node := state.nodes.get(first)) and node.unreachable_since_ms is not None:
+            # Its node was lost a moment ago: the master places it again.
+            coming = coming or "moving off a node that was lost"
     return coming

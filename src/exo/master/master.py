@@ -285,7 +285,10 @@ class Master:
             )
             if listed:
                 delete = DeleteInstance(instance_id=instance.instance_id)
-                self.execute(uuid.uuid4().hex, self.node_id, delete)
+                try:
+                    self.execute(uuid.uuid4().hex, self.node_id, delete)
+                except CommandRejected as error:  # deleted meanwhile: nothing to do
+                    logger.debug(f"instance {instance.instance_id} not deleted: {error}")
             if not served:
                 self._place_again(state, instance, available, moved)
         self._retry_unplaced(available)
