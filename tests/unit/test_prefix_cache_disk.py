@@ -156,6 +156,33 @@ def test_a_file_another_runner_removed_for_the_budget_is_a_quiet_miss(tmp_path: 
     assert first.stats().disk_entries == 0
 
 
+def test_a_runner_whose_file_another_removed_still_writes_within_the_budget(
+    tmp_path: Path,
+) -> None:
+    """Two runners of one model on a node (an instance moving, say) share its
+    folder: one removes a file for the budget that the other indexed. The other
+    drops it from its index when it next writes, and keeps writing; the files
+    the other wrote count against the budget."""
+    one_file = _file_size(tmp_path)
+    root = tmp_path / "c"
+    before = disk_cache(root, disk_budget=int(2.5 * one_file))
+    for start in (0, 100_000):
+        store_fresh(before, tuple(range(start, start + 30)))
+        before.persist()
+    first = disk_cache(root, disk_budget=int(2.5 * one_file))  # indexes both files
+    second = disk_cache(root, disk_budget=int(2.5 * one_file))
+    store_fresh(second, tuple(range(200_000, 200_030)))
+    second.persist()
+    store_fresh(second, tuple(range(300_000, 300_030)))
+    second.persist()  # removes the two files `first` indexed
+    store_fresh(first, tuple(range(400_000, 400_030)))
+    assert first.persist() == 1  # no error: the files it lost are dropped
+    assert first.stats().disk_entries == 1
+    assert first.lookup(tuple(range(0, 31))).usable == 0
+    assert sum(p.stat().st_size for p in root.rglob("*.safetensors")) <= int(2.5 * one_file)
+    assert disk_cache(root).lookup(tuple(range(400_000, 400_031))).usable == 30
+
+
 def _folder_files(root: Path) -> dict[str, int]:
     return {
         folder.name: count

@@ -259,8 +259,14 @@ class DiskTier:
             return
         # Oldest first: another folder's by its file's time (touched when used),
         # this one's by use (after the files it was started with, oldest first).
-        mine = sorted(self._entries, key=lambda i: self._entries[i].last_used)
-        mtimes = {i: self._entries[i].path.stat().st_mtime for i in mine}
+        mtimes: dict[int, float] = {}
+        for file_id, entry in list(self._entries.items()):
+            try:
+                mtimes[file_id] = entry.path.stat().st_mtime
+            except FileNotFoundError:  # another runner removed it for the budget
+                total -= entry.nbytes
+                self._remove(file_id)
+        mine = sorted(mtimes, key=lambda i: self._entries[i].last_used)
         queue = sorted(
             [(mtime, None, path, size) for mtime, path, size in others]
             + [(mtimes[i], i, self._entries[i].path, self._entries[i].nbytes) for i in mine],
@@ -280,13 +286,18 @@ class DiskTier:
                         empty.rmdir()
 
     def _other_files(self) -> list[tuple[float, Path, int]]:
-        """(modified time, path, bytes) of every entry file in the root's other folders."""
+        """(modified time, path, bytes) of every entry file under the root that
+        this tier has not indexed: the other folders', and those another runner
+        wrote to this folder (two runners of one model, while it moves)."""
         files: list[tuple[float, Path, int]] = []
+        indexed = {entry.path for entry in self._entries.values()}
         root = self.directory.parent
         for folder in root.iterdir() if root.is_dir() else ():
-            if folder == self.directory or not folder.is_dir():
+            if not folder.is_dir():
                 continue
             for path in folder.glob("*.safetensors"):
+                if path in indexed:
+                    continue
                 with contextlib.suppress(OSError):  # gone meanwhile
                     stat = path.stat()
                     files.append((stat.st_mtime, path, stat.st_size))
