@@ -420,9 +420,9 @@ def test_a_lost_instance_whose_model_another_instance_serves_is_only_deleted(
     assert list(store.state.instances) == [on_c.instance_id]
 
 
-def test_a_model_no_survivor_can_take_comes_back_with_its_node(tmp_path: Path) -> None:
-    heard = {B: 0, C: 0}
-    store, master = cluster(tmp_path, heard=heard)
+def serve_alone_on_b(store: EventStore) -> None:
+    """The model served by B alone, and no other node runs a worker: lost with
+    B, it has nowhere to go until B is back."""
     no_worker = telemetry(8).model_copy(update={"accepts_instances": False})
     store.index(
         B,
@@ -433,6 +433,12 @@ def test_a_model_no_survivor_can_take_comes_back_with_its_node(tmp_path: Path) -
             ("no-worker-c", NodeTelemetryReported(node_id=C, telemetry=no_worker)),
         ],
     )
+
+
+def test_a_model_no_survivor_can_take_comes_back_with_its_node(tmp_path: Path) -> None:
+    heard = {B: 0, C: 0}
+    store, master = cluster(tmp_path, heard=heard)
+    serve_alone_on_b(store)
     del heard[B]  # B is frozen: no other node runs a worker
     master.tend()
     assert not store.state.instances  # deleted, and the placement again refused
@@ -455,16 +461,7 @@ def test_a_model_no_survivor_can_take_comes_back_with_its_node(tmp_path: Path) -
 def test_another_master_places_a_model_the_last_one_left_unplaced(tmp_path: Path) -> None:
     heard = {B: 0, C: 0}
     store, master = cluster(tmp_path, heard=heard)
-    no_worker = telemetry(8).model_copy(update={"accepts_instances": False})
-    store.index(
-        B,
-        [
-            ("card", ModelCardPublished(card=CARD)),
-            ("alone", InstanceCreated(instance=ALONE)),
-            ("no-worker-a", NodeTelemetryReported(node_id=A, telemetry=no_worker)),
-            ("no-worker-c", NodeTelemetryReported(node_id=C, telemetry=no_worker)),
-        ],
-    )
+    serve_alone_on_b(store)
     del heard[B]
     master.tend()
     assert M in store.state.unplaced
@@ -536,16 +533,7 @@ def test_a_model_no_node_can_take_is_given_up_on_after_the_window_and_forgotten_
     monkeypatch.setattr(master_module, "now_ms", lambda: clock[0])
     heard = {B: 0, C: 0}
     store, master = cluster(tmp_path, heard=heard)
-    no_worker = telemetry(8).model_copy(update={"accepts_instances": False})
-    store.index(
-        B,
-        [
-            ("card", ModelCardPublished(card=CARD)),
-            ("alone", InstanceCreated(instance=ALONE)),
-            ("no-worker-a", NodeTelemetryReported(node_id=A, telemetry=no_worker)),
-            ("no-worker-c", NodeTelemetryReported(node_id=C, telemetry=no_worker)),
-        ],
-    )
+    serve_alone_on_b(store)
     del heard[B]
     master.tend()
     assert not store.state.unplaced[M].given_up
