@@ -64,10 +64,16 @@ const percent = (done, total) => (total > 0 ? Math.min(100, (100 * done) / total
 export const bar = (done, total, kind = "") =>
   html`<span class="bar ${kind}"><span style="width:${percent(done, total).toFixed(1)}%"></span></span>`;
 
-// What a rank of an instance (or a placement) holds: its layers, or its slice of every layer.
-export const rankLayers = (rank, sharding, nRanks) =>
-  sharding === "tensor"
-    ? `all ${rank.end_layer}, 1/${nRanks} of each`
-    : `${rank.start_layer}–${rank.end_layer - 1} (${rank.end_layer - rank.start_layer})`;
+// What a rank of an instance (or a placement) holds: its layers, or its slice of
+// every layer (its KV heads where known: a tensor split may be uneven).
+export const rankLayers = (rank, sharding, ranks) => {
+  if (sharding !== "tensor") {
+    return `${rank.start_layer}–${rank.end_layer - 1} (${rank.end_layer - rank.start_layer})`;
+  }
+  const heads = ranks.reduce((sum, r) => sum + (r.kv_heads ?? NaN), 0);
+  return Number.isNaN(heads)
+    ? `all ${rank.end_layer}, 1/${ranks.length} of each`
+    : `all ${rank.end_layer}, ${rank.kv_heads} of ${heads} KV heads`;
+};
 
 export const badge = (status) => html`<span class="badge ${status.replace(/ /g, "-")}">${status}</span>`;

@@ -124,7 +124,7 @@ export class ModelsView {
       ${placement.ranks.map((r, i) => {
         const t = this.cluster.state?.nodes[r.node_id]?.telemetry;
         return html`<tr><td>${i}</td><td class="mono"><i class="dot" style="background:${this.#color(r.node_id)}"></i>${this.cluster.label(r.node_id)}</td>
-          <td>${rankLayers(r, placement.sharding, n)}</td>
+          <td>${rankLayers(r, placement.sharding, placement.ranks)}</td>
           <td>${bytes(placement.memory_bytes[r.node_id])}</td><td>${t ? bytes(t.ram_available) : "—"}</td></tr>`;
       })}</table>
     </div>`;
@@ -157,7 +157,7 @@ export class ModelsView {
       ${instance.ranks.map(
         (r, i) => html`<tr data-rank="${i}" data-node-id="${r.node_id}" data-runner="${r.runner?.status ?? "none"}"
             data-download="${r.download?.status ?? "none"}">
-          <td>${i}</td><td class="mono">${this.cluster.label(r.node_id)}</td><td>${rankLayers(r, instance.sharding, instance.ranks.length)}</td>
+          <td>${i}</td><td class="mono">${this.cluster.label(r.node_id)}</td><td>${rankLayers(r, instance.sharding, instance.ranks)}</td>
           <td>${this.#download(r.download)}</td>
           <td>${r.runner ? badge(r.runner.status) : html`<span class="muted">not started</span>`}
             ${r.runner?.error ? html`<div class="error">${r.runner.error}</div>` : ""}</td></tr>`,

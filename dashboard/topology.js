@@ -128,7 +128,7 @@ function nodeCard(node, cluster) {
       <dt>disk free</dt><dd>${t ? bytes(t.disk_free) : "—"}</dd>
       <dt>serves</dt>
       <dd>${serves.length ? serves.map(({ rank, i, instance }) => html`<div>${shortModel(instance.model_id)}
-          <span class="muted">rank ${i} · layers ${rankLayers(rank, instance.sharding, instance.ranks.length)}</span></div>`) : html`<span class="muted">${t && !t.accepts_instances ? "no worker (API only)" : "nothing"}</span>`}</dd>
+          <span class="muted">rank ${i} · layers ${rankLayers(rank, instance.sharding, instance.ranks)}</span></div>`) : html`<span class="muted">${t && !t.accepts_instances ? "no worker (API only)" : "nothing"}</span>`}</dd>
       <dt>${node.status === "timed out" ? "timed out" : "last heard"}</dt>
       <dd><span class="last-heard" data-last-heard="${node.node_id}">${lastHeard(node, cluster)}</span>
         ${node.status === "timed out" ? html` <button type="button" class="small-button" data-forget-node="${node.node_id}">Forget this node</button>` : ""}</dd>

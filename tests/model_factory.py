@@ -110,15 +110,17 @@ def make_tiny_model(
     tokenizer_source: Path,
     n_layers: int = 6,
     seed: int = 0,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """A random-weight model of family `model_type` (one of `TINY_FAMILIES`)
-    using `tokenizer_source`'s tokenizer, written to `target` as mlx-lm loads it.
+    using `tokenizer_source`'s tokenizer, written to `target` as mlx-lm loads it;
+    `overrides` replace entries of its config.json.
 
     Every parameter is random, those the family initialises to a constant
     (norms, router gates and biases, attention sinks) included, so a weight
     that is not loaded or is sliced wrongly changes the output; the embedding
     and output head are scaled up so greedy decoding picks varied tokens."""
-    config = tiny_config(model_type, tokenizer_source, n_layers)
+    config = {**tiny_config(model_type, tokenizer_source, n_layers), **(overrides or {})}
     weights = _random_weights(config, seed, varied=True)
     _write(target, config, weights, tokenizer_source, n_layers, 1)
     return target

@@ -220,47 +220,35 @@ def refused_preview(error: str) -> bool:
 def test_the_split_is_chosen_where_a_model_is_placed(
     nodes: tuple[NodeProcess, NodeProcess], browser: Browser
 ) -> None:
-    """Asked for a tensor split, the view shows the API's refusal (SmolLM2's 9
-    heads do not split in two), and a tensor preview as a slice of every layer."""
-    a, b = nodes
+    """Asked for a tensor split on one node, the view shows the API's refusal;
+    on two, SmolLM2's tensor preview: every layer on each node, its 3 KV heads
+    split 2 and 1 (with their query heads)."""
+    a, _ = nodes
     page = browser.new_page(viewport=VIEWPORT)
     errors = PageErrors(page)
     page.goto(f"{a.base_url}/#models")
     page.fill("#model-id", DEFAULT_MODEL_ID)
     page.select_option("#sharding", "tensor")
+    page.fill("#max-nodes", "1")
     page.click("#preview-button")
     refused = httpx.get(
         f"{a.base_url}/instance/previews",
-        params={"model_id": DEFAULT_MODEL_ID, "sharding": "tensor"},
+        params={"model_id": DEFAULT_MODEL_ID, "sharding": "tensor", "max_nodes": 1},
         timeout=10,
     )
     assert refused.status_code == 400
     message = refused.json()["error"]["message"]
-    assert "2 does not divide its attention heads (9), KV heads (3)" in message
+    assert "a tensor instance needs at least 2 nodes" in message
     expect(page.locator("#place-message.error")).to_contain_text(message)
 
-    # A model whose heads do split: each node's row says it holds every layer.
-    a_id, b_id = a.get("/node_id"), b.get("/node_id")
-    ranks = [{"node_id": n, "start_layer": 0, "end_layer": 30} for n in (a_id, b_id)]
-    per_node = {a_id: 10**8, b_id: 10**8}
-    placement = {
-        "model_id": DEFAULT_MODEL_ID, "sharding": "tensor", "ranks": ranks,
-        "memory_bytes": per_node, "weight_bytes": per_node, "kv_bytes": {a_id: 0, b_id: 0},
-        "download_progress": 1.0, "free_bytes": 10**10,
-    }  # fmt: skip
-
-    def tensor_preview(route: Route) -> None:
-        assert "sharding=tensor" in route.request.url
-        route.fulfill(json={"model_id": DEFAULT_MODEL_ID, "placements": [placement]})
-
-    page.route(lambda url: "/instance/previews?" in url, tensor_preview)
+    page.fill("#max-nodes", "")
     page.click("#preview-button")
     best = page.locator("#previews [data-preview='0']")
     expect(best).to_have_attribute("data-sharding", "tensor")
     expect(best).to_contain_text("tensor · 2 nodes")
     expect(best.locator("tr")).to_have_count(3)
-    for row in range(1, 3):
-        expect(best.locator("tr").nth(row)).to_contain_text("all 30, 1/2 of each")
+    expect(best.locator("tr").nth(1)).to_contain_text("all 30, 2 of 3 KV heads")
+    expect(best.locator("tr").nth(2)).to_contain_text("all 30, 1 of 3 KV heads")
     assert [e for e in errors.seen if not refused_preview(e)] == [], errors.seen
     page.close()
 

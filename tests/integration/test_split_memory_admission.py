@@ -5,6 +5,7 @@ serving after a refusal."""
 
 import random
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,7 @@ def test_the_tightest_rank_decides_and_the_ring_goes_on(
     parts = (
         [request_kv(card, "cpu", layers=(0, 1)), request_kv(card, "cpu", layers=(1, LAYERS))]
         if split == "pipeline"
-        else [request_kv(card, "cpu", tensor_ranks=2)] * 2
+        else [request_kv(card, "cpu", kv_share=Fraction(1, 2))] * 2  # 2 KV heads: 1 each
     )
     with running_pipeline(
         model_dir, tmp_path, bounds, tensor_ranks=2 if split == "tensor" else 0

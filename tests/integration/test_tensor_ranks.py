@@ -2,20 +2,32 @@
 `mx.distributed` ring, each holding a slice of every layer of a tiny
 random-weight model (SmolLM2 tokenizer, float32 on the CPU), reply as the whole
 model does, hit the prefix cache on the second turn on every rank, and serve
-concurrent requests together exactly as each alone."""
+concurrent requests together exactly as each alone. The families exo slices
+itself are split unevenly (sizes the rank count does not divide)."""
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from exo.engine.mlx.load import load_model_tokenizer
-from exo.shared.architectures import tensor_refusal
+from exo.shared.architectures import EXO_TENSOR_STRATEGIES, tensor_refusal
 from exo.shared.types.tasks import GenerationParams
 from tests.model_factory import TINY_FAMILIES, make_tiny_model
 from tests.pipeline_harness import RunnerProcess, TaskResult, running_pipeline, wait_until
 from tests.unit.test_split_families import greedy, turns, whole_replies
 
 TENSOR_FAMILIES = [family for family in TINY_FAMILIES if tensor_refusal(family) is None]
+# Sizes 2 and 3 ranks split unevenly: 3 KV heads (6 query heads), odd widths.
+UNEVEN = {
+    "hidden_size": 96,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 3,
+    "intermediate_size": 131,
+    "moe_intermediate_size": 35,
+    "shared_expert_intermediate_size": 37,
+    "moe_shared_expert_intermediate_size": 37,
+}
 # Every request in flight at once, then each alone.
 CONCURRENT = 4
 
@@ -28,11 +40,31 @@ def test_the_tiny_families_all_split_by_tensors() -> None:
 def test_two_tensor_ranks_reply_as_the_whole_model(
     family: str, smollm_dir: Path, tmp_path: Path
 ) -> None:
-    model_dir = make_tiny_model(family, tmp_path / family, smollm_dir, n_layers=4)
+    """Two ranks: 2 KV heads and 1 (and their query heads), the MLP in 66/65
+    columns, where exo slices the family; as mlx-lm's `shard()` divides it
+    (evenly) otherwise."""
+    overrides = UNEVEN if family in EXO_TENSOR_STRATEGIES else None
+    _reply_as_the_whole_model(family, 2, overrides, smollm_dir, tmp_path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_three_tensor_ranks_split_unevenly_reply_as_the_whole_model(
+    family: str, smollm_dir: Path, tmp_path: Path
+) -> None:
+    """Three ranks: 1 KV head each, the MLP in 44/44/43 columns (the experts' 12/12/11)."""
+    _reply_as_the_whole_model(family, 3, UNEVEN, smollm_dir, tmp_path)
+
+
+def _reply_as_the_whole_model(
+    family: str, n_ranks: int, overrides: dict[str, Any] | None, smollm_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = make_tiny_model(
+        family, tmp_path / family, smollm_dir, n_layers=4, overrides=overrides
+    )
     tokenizer = load_model_tokenizer(model_dir)
     prompts, params = turns(tokenizer), greedy(tokenizer)
     whole = whole_replies(model_dir, prompts, params)
-    with running_pipeline(model_dir, tmp_path, [0, 4], tensor_ranks=2) as ranks:
+    with running_pipeline(model_dir, tmp_path, [0, 4], tensor_ranks=n_ranks) as ranks:
         entry = ranks.entry
         replies = [entry.generate(f"turn-{n}", prompt, params) for n, prompt in enumerate(prompts)]
         assert [text for text, _ in replies] == [text for text, _ in whole]

@@ -29,7 +29,7 @@ def sharded_card(model_id: str = "org/m", **overrides: Any) -> ModelCard:
         "hidden_size": 64,
         "n_heads": 4,
         "n_kv_heads": 1,
-        "head_dim": 8,
+        "head_dim": 32,  # a KV head's query heads are whole quantization groups
         "context_length": 4096,
         "vocab_size": 100,
         "tie_word_embeddings": False,

@@ -482,7 +482,7 @@ def test_a_card_without_per_layer_fields_gets_the_averages() -> None:
     restored = type(sharded_card()).model_validate_json(json.dumps(old))
     assert restored.per_layer_bytes == (restored.layer_bytes,) * 4
     assert restored.per_layer_params == (restored.layer_params,) * 4
-    assert restored.layer_caches == (LayerCache(kind="attention", token_elements=2 * 1 * 8),) * 4
+    assert restored.layer_caches == (LayerCache(kind="attention", token_elements=2 * 1 * 32),) * 4
     assert restored == sharded_card()
 
 

@@ -133,7 +133,7 @@ def test_a_retried_command_is_a_no_op(command: Command) -> None:
         (tensor(NO_CARD, rank(B, 0, 4), rank(E, 0, 5)), "holds all 4 layers", False),
         (
             tensor(M, rank(B, 0, 4), rank(E, 0, 4)),  # the card's one KV head
-            "cannot split org/m by tensors: 2 does not divide its KV heads (1)",
+            "cannot split org/m by tensors: 2 ranks need 2 KV heads at least, it has 1",
             False,
         ),
     ],
@@ -198,7 +198,9 @@ def test_a_tensor_instance_on_explicit_ranks() -> None:
     [event] = decide(even, tensor(M, rank(B, 0, 4), rank(E, 0, 4)))
     assert isinstance(event, InstanceCreated)
     assert event.instance.sharding == "tensor"
-    assert event.instance.ranks == (rank(B, 0, 4), rank(E, 0, 4))
+    # Each rank's KV heads, as the runners split them.
+    heads = tuple(r.model_copy(update={"kv_heads": 1}) for r in (rank(B, 0, 4), rank(E, 0, 4)))
+    assert event.instance.ranks == heads
     assert event.instance.ring_hosts == (f"10.0.0.2:{P1}", f"10.0.0.3:{P0}")
 
 
@@ -285,9 +287,10 @@ def test_a_tensor_placement_keeps_its_sharding_and_every_layer_on_every_rank() -
     [event] = decide(cluster, command)
     assert isinstance(event, InstanceCreated)
     assert event.instance.sharding == "tensor"
-    assert event.instance.ranks == (rank(Y, 0, 4), rank(Z, 0, 4))
+    heads = tuple(r.model_copy(update={"kv_heads": 1}) for r in (rank(Y, 0, 4), rank(Z, 0, 4)))
+    assert event.instance.ranks == heads
     assert event.instance.min_nodes == 1  # the request as it was asked
-    with pytest.raises(CommandRejected, match="2 does not divide its KV heads"):
+    with pytest.raises(CommandRejected, match="2 ranks need 2 KV heads at least"):
         decide(CLUSTER, command)  # CARD has one KV head
 
 

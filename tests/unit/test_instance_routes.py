@@ -228,8 +228,8 @@ async def test_a_tensor_preview_says_so_and_each_nodes_share() -> None:
     ]
     # Half of the 4 x 100 MB layers and the 50 MB embedding and head whole, each.
     assert only["weight_bytes"] == {NODE: 300 * MB, PEER: 300 * MB}
-    # 4 layers of keys and values of 2 KV heads of 8 over 4096 tokens in fp16, halved.
-    half_kv = 4 * 2 * 2 * 8 * 4096 * 2 // 2
+    # 4 layers of keys and values of 2 KV heads of 32 over 4096 tokens in fp16, halved.
+    half_kv = 4 * 2 * 2 * 32 * 4096 * 2 // 2
     assert only["kv_bytes"] == {NODE: half_kv, PEER: half_kv}
     pipeline = await instance_previews(cluster_of_two().state, Hub(), EVEN)
     assert {p["sharding"] for p in pipeline["placements"]} == {"pipeline"}
@@ -276,7 +276,7 @@ async def test_heads_a_tensor_split_does_not_divide_are_a_400_before_any_downloa
     error = await raised(place_instance(cluster, Hub(), request))
     assert (error.status, error.code) == (400, "invalid_request")
     assert (
-        "cannot split org/known by tensors: across 2 nodes, 2 does not divide its KV heads (1)"
+        "cannot split org/known by tensors: across 2 nodes, 2 ranks need 2 KV heads at least, it has 1"
         in (error.message)
     )
     assert cluster.state.instances == {}

@@ -1,4 +1,5 @@
 import re
+from fractions import Fraction
 from itertools import pairwise
 from typing import Any
 
@@ -612,13 +613,15 @@ def test_a_tensor_node_holds_one_nth_of_the_layers_and_all_of_the_rest() -> None
     layers = sum(layer_weights(model, "metal"))
     other = model.embedding_bytes + model.head_bytes
     for n in (1, 2, 4):
-        assert tensor_rank_weights(model, "metal", n) == -(-layers // n) + other
-        assert tensor_rank_kv(model, "metal", n) == -(-rank_kv(model, "metal", 0, 30) // n)
+        share = Fraction(1, n)
+        assert tensor_rank_weights(model, "metal", share) == -(-layers // n) + other
+        assert tensor_rank_kv(model, "metal", share) == -(-rank_kv(model, "metal", 0, 30) // n)
     # On the CPU backend: float32 weights, split the same way.
     cpu_layers = sum(layer_weights(model, "cpu"))
-    assert tensor_rank_weights(model, "cpu", 4) == cpu_layers // 4 + other * 8 // 5 * 4
+    assert tensor_rank_weights(model, "cpu", Fraction(1, 4)) == cpu_layers // 4 + other * 8 // 5 * 4
     # Four nodes: each needs a quarter of the layers, which no pipeline rank would.
-    placement = place(model, cluster(*(node(n, 1.1) for n in "abcd")), TENSOR)
+    quarters = tensor_card(head_dim=32)  # a KV head's query heads: whole quantization groups
+    placement = place(quarters, cluster(*(node(n, 1.1) for n in "abcd")), TENSOR)
     assert len(placement.ranks) == 4
     assert set(placement.weight_bytes.values()) == {750 * MB + 100 * MB}
 
@@ -628,13 +631,13 @@ def test_a_latent_cache_stays_whole_on_every_tensor_rank() -> None:
     model = card_from_config(ModelId("deepseek-v3-4bit"), DEEPSEEK_V3)
     assert {c.kind for c in model.layer_caches} == {"latent"}
     whole = rank_kv(model, "metal", 0, model.n_layers)
-    assert tensor_rank_kv(model, "metal", 4) == whole
+    assert tensor_rank_kv(model, "metal", Fraction(1, 4)) == whole
     # Keys and values of split heads are split.
     latent, split = (LayerCache(kind=kind, token_elements=64) for kind in ("latent", "attention"))
     mixed = tensor_card(n_layers=2, layer_caches=(latent, split))
     latent_bytes, split_bytes = layer_kv(mixed, "metal")
     assert latent_bytes == split_bytes == KV_RESERVE_TOKENS * 64 * 2
-    assert tensor_rank_kv(mixed, "metal", 2) == latent_bytes + split_bytes // 2
+    assert tensor_rank_kv(mixed, "metal", Fraction(1, 2)) == latent_bytes + split_bytes // 2
 
 
 def test_every_node_of_a_tensor_set_must_hold_its_share() -> None:
@@ -650,28 +653,40 @@ def test_every_node_of_a_tensor_set_must_hold_its_share() -> None:
     assert len(place(tensor_card(), state, PlacementRequest(min_nodes=2)).ranks) == 2
 
 
-def test_a_qwen3_moe_card_splits_by_tensors_where_its_heads_divide() -> None:
+def test_a_qwen3_moe_card_splits_by_tensors_unevenly_across_three_nodes() -> None:
     model = card_from_config(ModelId("qwen3-235b-4bit"), QWEN3_235B)
     assert (model.n_heads, model.n_kv_heads) == (64, 4)
     assert (model.intermediate_size, model.moe_intermediate_size) == (12288, 1536)
     state = cluster(node("a", 96), node("b", 96), node("c", 96))
     placements = preview(model, state, TENSOR)
-    # 3 does not divide 64 heads: only pairs, each node with half of the ~132 GB.
-    assert {len(p.ranks) for p in placements} == {2}
+    assert {len(p.ranks) for p in placements} == {2, 3}
     assert {p.sharding for p in placements} == {"tensor"}
     whole = rank_memory(model, "metal", 0, model.n_layers)
-    for placement in placements:
+    pairs = [p for p in placements if len(p.ranks) == 2]
+    for placement in pairs:  # each node half of the ~132 GB
         for memory in placement.memory_bytes.values():
             assert 0.5 * whole < memory < 0.52 * whole
-    with pytest.raises(PlacementError, match=re.escape("cannot split qwen3-235b-4bit by tensors")):
-        place(model, state, PlacementRequest(min_nodes=3, sharding="tensor"))
+    # Three nodes: 4 KV heads go 2/1/1 (with their 32/16/16 query heads), the
+    # experts' widths in thirds: the first node holds half of the heads' weights.
+    (three,) = (p for p in placements if len(p.ranks) == 3)
+    first, second, third = (three.memory_bytes[r.node_id] for r in three.ranks)
+    assert 0.5 * whole < first < 0.52 * whole
+    assert second == third and 0.33 * whole < second < 0.35 * whole
+    assert three.kv_bytes[three.ranks[0].node_id] == 2 * three.kv_bytes[three.ranks[1].node_id]
+    five = cluster(*(node(n, 96) for n in "abcde"))
+    with pytest.raises(PlacementError) as refused:
+        place(model, five, PlacementRequest(min_nodes=5, sharding="tensor"))
+    assert str(refused.value) == (
+        "cannot split qwen3-235b-4bit by tensors: across 5 nodes, 5 ranks need 5 KV heads at "
+        "least, it has 4"
+    )
 
 
 @pytest.mark.parametrize(
     ("overrides", "nodes", "message"),
     [
         (
-            {"n_heads": 32, "n_kv_heads": 8, "intermediate_size": 14336},
+            {"architecture": "gpt_oss", "n_heads": 32, "n_kv_heads": 8, "intermediate_size": 14336},
             3,
             "cannot split m by tensors: across 3 nodes, 3 does not divide its attention heads "
             "(32), KV heads (8), MLP intermediate size (14336)",
@@ -679,21 +694,22 @@ def test_a_qwen3_moe_card_splits_by_tensors_where_its_heads_divide() -> None:
         (
             {"n_heads": 8, "n_kv_heads": 1},
             2,
-            "cannot split m by tensors: across 2 nodes, 2 does not divide its KV heads (1)",
+            "cannot split m by tensors: across 2 nodes, 2 ranks need 2 KV heads at least, it has 1",
         ),
         (
-            {"n_heads": 4, "n_kv_heads": 4, "moe_intermediate_size": 6},
+            {"n_heads": 4, "n_kv_heads": 4, "head_dim": 32, "moe_intermediate_size": 6},
             4,
-            "across 4 nodes, 4 does not divide its MoE expert intermediate size (6)",
+            "across 4 nodes, its MoE expert intermediate size (6) does not split into 4 parts "
+            "of whole quantization groups (32)",
         ),
         (
-            {"n_heads": 6, "n_kv_heads": 6},
-            3,  # 2 and 3 divide 6, 4 does not: the set sizes 2..4 leave 2 and 3
+            {"n_heads": 6, "n_kv_heads": 3, "head_dim": 64},
+            3,  # 2 and 3 ranks take whole KV heads, 4 do not: the set sizes 2..4 leave 2 and 3
             None,
         ),
     ],
 )
-def test_a_tensor_split_needs_its_size_to_divide_the_heads_and_widths(
+def test_a_tensor_split_needs_whole_heads_and_groups_for_each_rank(
     overrides: dict[str, Any], nodes: int, message: str | None
 ) -> None:
     state = cluster(*(node(n, 8) for n in "abcd"[: max(nodes, 3)]))
@@ -709,7 +725,7 @@ def test_a_tensor_split_needs_its_size_to_divide_the_heads_and_widths(
 
 def test_a_card_without_mlp_widths_is_not_refused() -> None:
     """Unknown widths (a card from an older node) are left to the runner's load."""
-    model = card(n_heads=4, n_kv_heads=2)
+    model = card(n_heads=4, n_kv_heads=2, head_dim=16)
     assert (model.intermediate_size, model.moe_intermediate_size) == (None, None)
     assert len(place(model, cluster(node("a", 8), node("b", 8)), TENSOR).ranks) == 2
 
@@ -742,7 +758,8 @@ def test_a_tensor_instance_needs_two_nodes(
 def test_min_nodes_one_is_taken_as_two_for_a_tensor_instance() -> None:
     # One node holds the whole model; a tensor placement still takes two.
     placements = preview(tensor_card(), STATE, PlacementRequest(min_nodes=1, sharding="tensor"))
-    assert {len(p.ranks) for p in placements} == {2}  # 3 does not divide its 8 heads
+    # 3 ranks would cut its KV heads' quantization groups (head_dim 8, groups of 32)
+    assert {len(p.ranks) for p in placements} == {2}
     assert placements[0].node_ids == ("a", "b")
 
 

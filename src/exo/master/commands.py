@@ -9,9 +9,9 @@ from exo.master.placement import (
     PlacementError,
     PlacementRequest,
     place,
-    uneven_tensor_split,
 )
 from exo.shared.architectures import tensor_refusal
+from exo.shared.tensor_split import TensorSplit, card_split
 from exo.shared.types.commands import (
     Command,
     CommandRejected,
@@ -95,7 +95,8 @@ def _check_tensor(model_id: ModelId, card: ModelCard | None, ranks: Sequence[Ins
             f"[0,{n_layers}): {_layout(ranks)}"
         )
     if card is not None:
-        why = tensor_refusal(card.architecture) or uneven_tensor_split(card, len(ranks))
+        split = card_split(card, len(ranks))
+        why = tensor_refusal(card.architecture) or (split if isinstance(split, str) else None)
         if why is not None:
             raise CommandRejected(f"cannot split {model_id} by tensors: {why}")
 
@@ -133,6 +134,14 @@ def _card(state: State, command: CreateInstance | PlaceInstance) -> ModelCard | 
     return state.cards.get(command.model_id) or command.card
 
 
+def _kv_heads(card: ModelCard | None, n_ranks: int, sharding: Sharding) -> tuple[int | None, ...]:
+    """Each tensor rank's KV heads, as the runners split them; None where unknown."""
+    split = card_split(card, n_ranks) if card is not None and sharding == "tensor" else None
+    if isinstance(split, TensorSplit) and split.kv_heads is not None:
+        return split.kv_heads
+    return (None,) * n_ranks
+
+
 def _create(
     state: State, command: CreateInstance | PlaceInstance, ranks: Sequence[InstanceRank]
 ) -> list[Event]:
@@ -145,8 +154,10 @@ def _create(
         instance_id=command.instance_id,
         model_id=command.model_id,
         ranks=tuple(
-            InstanceRank(node_id=r.node_id, start_layer=r.start_layer, end_layer=r.end_layer)
-            for r in ranks
+            InstanceRank(
+                node_id=r.node_id, start_layer=r.start_layer, end_layer=r.end_layer, kv_heads=kv
+            )
+            for r, kv in zip(ranks, _kv_heads(card, len(ranks), command.sharding), strict=True)
         ),
         ring_hosts=ring_hosts(state, ranks),
         min_nodes=command.min_nodes if isinstance(command, PlaceInstance) else 1,

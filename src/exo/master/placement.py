@@ -14,8 +14,8 @@ ranked by download progress, then free RAM, then size, then node ids;
 A tensor placement (`sharding="tensor"`) gives every node of a set a slice of
 every layer: the set needs at least `MIN_TENSOR_RANKS` nodes, an architecture
 exo can split by tensors (`exo.shared.architectures.tensor_refusal`) and a set
-size that divides the model's heads and MLP widths (`uneven_tensor_split`);
-each node must hold its share (`exo.models.memory.tensor_rank_weights`,
+size its heads and MLP widths split into (`exo.shared.tensor_split.card_split`:
+unevenly where exo slices the family itself); each node must hold its share (`exo.models.memory.tensor_rank_weights`,
 `tensor_rank_kv`). Candidates and ranking are the pipeline's.
 
 "Free" RAM here is a node's available RAM minus a safety margin of its total RAM.
@@ -41,6 +41,7 @@ from exo.models.memory import (
 )
 from exo.models.weight_files import shard_files
 from exo.shared.architectures import loadable_whole, pipeline_refusal, tensor_refusal
+from exo.shared.tensor_split import TensorSplit, card_split
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import ModelId, NodeId
 from exo.shared.types.model_card import ModelCard
@@ -265,15 +266,29 @@ def _place_tensor_on(
     nodes: Sequence[tuple[NodeId, NodeTelemetry]],
     progress: ProgressFn,
 ) -> Placement | None:
-    """Every node a slice of every layer, when each holds its share."""
-    n = len(nodes)
-    weights = {node_id: tensor_rank_weights(card, t.mlx_backend, n) for node_id, t in nodes}
-    kv = {node_id: tensor_rank_kv(card, t.mlx_backend, n) for node_id, t in nodes}
+    """Every node a slice of every layer, when each holds its share (the first
+    nodes the larger shares of an uneven split)."""
+    split = card_split(card, len(nodes))
+    if not isinstance(split, TensorSplit):
+        return None
+    weights = {
+        node_id: tensor_rank_weights(card, t.mlx_backend, split.weight_share(rank))
+        for rank, (node_id, t) in enumerate(nodes)
+    }
+    kv = {
+        node_id: tensor_rank_kv(card, t.mlx_backend, split.kv_share(rank))
+        for rank, (node_id, t) in enumerate(nodes)
+    }
     if any(weights[node_id] + kv[node_id] > free_bytes(t) for node_id, t in nodes):
         return None
     ranks = [
-        InstanceRank(node_id=node_id, start_layer=0, end_layer=card.n_layers)
-        for node_id, _ in nodes
+        InstanceRank(
+            node_id=node_id,
+            start_layer=0,
+            end_layer=card.n_layers,
+            kv_heads=split.kv_heads[rank] if split.kv_heads is not None else None,
+        )
+        for rank, (node_id, _) in enumerate(nodes)
     ]
     return _placement(
         card, "tensor", ranks, weights, kv, sum(free_bytes(t) for _, t in nodes), progress
@@ -332,14 +347,22 @@ def _shortfall(
         "node's RAM in reserve"
     )
     tensor = request.sharding == "tensor"
-    if tensor:
+    split = card_split(card, len(largest)) if tensor else None
+    if isinstance(split, TensorSplit):
         need = max(
-            tensor_rank_weights(card, b, len(largest)) + tensor_rank_kv(card, b, len(largest))
+            tensor_rank_weights(card, b, split.weight_share(0))
+            + tensor_rank_kv(card, b, split.kv_share(0))
             for b in backends
         )
         have = min(free_bytes(t) for _, t in largest)
+        last = len(largest) - 1
+        even = (split.weight_share(0), split.kv_share(0)) == (
+            split.weight_share(last),
+            split.kv_share(last),
+        )
         message = (
-            f"{card.model_id} split by tensors needs {human_bytes(need)} on each of "
+            f"{card.model_id} split by tensors needs {'' if even else 'up to '}"
+            f"{human_bytes(need)} on each of "
             f"{len(largest)} nodes (a slice of every layer, the embedding and head whole), "
             f"the candidate set's smallest node has {human_bytes(have)} free ({how})"
         )
@@ -396,20 +419,6 @@ def _serving_nodes(model_id: ModelId, state: State) -> set[NodeId]:
         if instance.model_id == model_id
         for node_id in instance.node_ids
     }
-
-
-def uneven_tensor_split(card: ModelCard, n_ranks: int) -> str | None:
-    """Why `card`'s layers do not slice into `n_ranks` equal parts (mlx-lm's
-    `shard()` splits the heads and MLP widths evenly); None when they do. A size
-    the card does not know is not checked: the runner's load says so then."""
-    sizes = {
-        "attention heads": card.n_heads,
-        "KV heads": card.n_kv_heads,
-        "MLP intermediate size": card.intermediate_size,
-        "MoE expert intermediate size": card.moe_intermediate_size,
-    }
-    uneven = [f"{name} ({size})" for name, size in sizes.items() if size and size % n_ranks]
-    return f"{n_ranks} does not divide its {', '.join(uneven)}" if uneven else None
 
 
 def _tensor_request(card: ModelCard, request: PlacementRequest) -> PlacementRequest:
@@ -510,12 +519,13 @@ def preview(
     most = len(candidates) if tensor else min(len(candidates), card.n_layers)
     sizes = list(range(request.min_nodes, min(request.max_nodes or most, most) + 1))
     if tensor:
-        uneven = {size: uneven_tensor_split(card, size) for size in sizes}
-        sizes = [size for size in sizes if uneven[size] is None]
-        if not sizes and uneven:
+        splits = {size: card_split(card, size) for size in sizes}
+        refused = {size: why for size, why in splits.items() if isinstance(why, str)}
+        sizes = [size for size in sizes if size not in refused]
+        if not sizes and refused:
             raise PlacementError(
                 f"cannot split {card.model_id} by tensors: "
-                + "; ".join(f"across {size} nodes, {why}" for size, why in uneven.items())
+                + "; ".join(f"across {size} nodes, {why}" for size, why in refused.items())
             )
     place_on = _place_tensor_on if tensor else _place_on
     placements: list[Placement] = []

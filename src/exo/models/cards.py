@@ -40,6 +40,8 @@ from exo.shared.types.model_card import (
     Quantization,
     SizeSource,
     WeightFile,
+    default_quantization,
+    quantization_config,
 )
 
 CONFIG_FILE = "config.json"
@@ -87,23 +89,8 @@ def _first_int(config: Mapping[str, Any], *keys: str, default: int | None = None
     return default
 
 
-def _quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
-    for key in ("quantization", "quantization_config"):
-        value = config.get(key)
-        if isinstance(value, dict) and "bits" in value and "group_size" in value:
-            return value
-    return None
-
-
-def _default_quantization(config: Mapping[str, Any]) -> Quantization | None:
-    quant = _quantization_config(config)
-    if quant is None:
-        return None
-    return Quantization(bits=int(quant["bits"]), group_size=int(quant["group_size"]))
-
-
 def _module_group_size(config: Mapping[str, Any], module: str) -> int | None:
-    quant = _quantization_config(config)
+    quant = quantization_config(config)
     if quant is None:
         return None
     override = quant.get(module)
@@ -344,7 +331,7 @@ def card_from_folder(model_id: ModelId, path: Path) -> ModelCard:
         layer_params=-(-sum(layer_params) // shape.n_layers),
         embedding_params=params["embedding"],
         head_params=params["head"],
-        quantization=_default_quantization(config),
+        quantization=default_quantization(config),
         dtype_bytes=dtype_bytes,
         size_source="safetensors_headers",
         per_layer_bytes=tuple(layer_bytes),
@@ -396,7 +383,7 @@ def card_from_config(
     shape = _shape(config)
     sizes = dict(file_sizes or {})
     layer_params, embedding_params, head_params = estimate_params(config)
-    quantization = _default_quantization(config)
+    quantization = default_quantization(config)
     dtype_bytes = _config_dtype_bytes(config) or _FLOAT16_BYTES
     all_params = sum(layer_params) + embedding_params + head_params
 

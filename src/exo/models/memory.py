@@ -14,8 +14,10 @@ instead of a range of layers (`tensor_rank_weights`, `tensor_rank_kv`).
 """
 
 import itertools
+import math
 from bisect import bisect_right
 from collections.abc import Sequence
+from fractions import Fraction
 
 from exo.shared.types.model_card import LayerCache, ModelCard
 from exo.shared.types.state import MlxBackend
@@ -92,18 +94,24 @@ def sequence_kv(
     tokens: int,
     start: int = 0,
     end: int | None = None,
-    tensor_ranks: int = 1,
+    kv_share: Fraction = Fraction(1),
 ) -> int:
     """Cache bytes one sequence of `tokens` tokens takes in layers [start, end)
     (all of them by default) on `backend`: a sliding-window layer keeps at most
-    its window, a recurrent layer its constant state. With `tensor_ranks`, one
-    tensor rank's share (its heads': see `tensor_rank_kv`)."""
+    its window, a recurrent layer its constant state. With `kv_share`, a tensor
+    rank's share (its KV heads': see `tensor_rank_kv`)."""
     dtype_bytes = _cache_dtype_bytes(backend)
-    total = 0
-    for cache in card.layer_caches[start:end]:
-        kv = _cache_reserve(cache, tokens, dtype_bytes)
-        total += kv if cache.kind == "latent" else -(-kv // tensor_ranks)
-    return total
+    return sum(
+        _kv_part(_cache_reserve(cache, tokens, dtype_bytes), cache, kv_share)
+        for cache in card.layer_caches[start:end]
+    )
+
+
+def _kv_part(kv: int, cache: LayerCache, share: Fraction) -> int:
+    """A tensor rank's bytes of a layer's `kv`: its heads' share, except
+    multi-head latent attention's latent, which every head reads, so every rank
+    keeps it whole."""
+    return kv if cache.kind == "latent" else math.ceil(kv * share)
 
 
 def kv_reserve_tokens(card: ModelCard) -> int:
@@ -129,19 +137,17 @@ def rank_memory(card: ModelCard, backend: MlxBackend, start: int, end: int) -> i
     return rank_weights(card, backend, start, end) + rank_kv(card, backend, start, end)
 
 
-def tensor_rank_weights(card: ModelCard, backend: MlxBackend, n_ranks: int) -> int:
-    """Weights one of `n_ranks` tensor ranks loads on `backend`: its slice (1/n)
-    of every layer, and the embedding and head whole."""
-    layers = -(-sum(layer_weights(card, backend)) // n_ranks)
-    return layers + memory_other(card, backend)
+def tensor_rank_weights(card: ModelCard, backend: MlxBackend, share: Fraction) -> int:
+    """Weights a tensor rank holding `share` of every layer (at most: its largest
+    part, `TensorSplit.weight_share`) loads on `backend`, with the embedding and
+    head whole."""
+    return math.ceil(sum(layer_weights(card, backend)) * share) + memory_other(card, backend)
 
 
-def tensor_rank_kv(card: ModelCard, backend: MlxBackend, n_ranks: int) -> int:
-    """The cache reserve of one of `n_ranks` tensor ranks: its heads' share (1/n)
-    of each layer's cache, except multi-head latent attention's latent, which
-    every head reads, so every rank keeps it whole."""
+def tensor_rank_kv(card: ModelCard, backend: MlxBackend, kv_share: Fraction) -> int:
+    """The cache reserve of a tensor rank holding `kv_share` of the KV heads."""
     return sum(
-        kv if cache.kind == "latent" else -(-kv // n_ranks)
+        _kv_part(kv, cache, kv_share)
         for kv, cache in zip(layer_kv(card, backend), card.layer_caches, strict=True)
     )
 

@@ -6,7 +6,8 @@ own forward pass over a rank's part of that list).
 
 Split by tensors (every rank holds a slice of every layer), any whose mlx-lm
 model has its own `shard()`, and the families exo shards with a strategy of its
-own (`OWN_TENSOR_STRATEGIES`, `engine/mlx/tensor.py`).
+own (`EXO_TENSOR_STRATEGIES`, `engine/mlx/tensor.py`), unevenly where the sizes
+call for it (`shared/tensor_split.py`).
 
 Placement checks a card against these before any node downloads a byte. The
 node process never imports MLX, so mlx-lm's model modules are read from disk
@@ -175,9 +176,22 @@ def pipeline_refusal(architecture: str) -> str | None:
     return None
 
 
-# Families whose mlx-lm model has no `shard()`: exo's own strategies
-# (`engine/mlx/tensor.py`, which has one for each of these, tested).
-OWN_TENSOR_STRATEGIES = frozenset({"qwen3_next", "nemotron_h", "mixtral", "gemma3_text"})
+# Families exo slices by tensors itself (`engine/mlx/tensor.py`, each tested),
+# unevenly where the sizes call for it: the last four have no mlx-lm `shard()`,
+# the others' would need every size divided evenly.
+EXO_TENSOR_STRATEGIES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "mixtral",
+        "qwen3_next",
+        "nemotron_h",
+        "gemma3_text",
+    }
+)
 
 
 def _defines(path: Path, name: str, method: str, depth: int = 0) -> bool:
@@ -200,7 +214,7 @@ def tensor_refusal(architecture: str) -> str | None:
     path = _module_path(architecture)
     if path is None:
         return f"mlx-lm has no model for {architecture!r}"
-    if architecture in OWN_TENSOR_STRATEGIES or _defines(path, "Model", "shard"):
+    if architecture in EXO_TENSOR_STRATEGIES or _defines(path, "Model", "shard"):
         return None
     return (
         f"mlx-lm's {architecture!r} model has no tensor sharding (no shard()) "

@@ -1,6 +1,7 @@
 """Model cards: what placement and downloads need to know about a model (built
 by `exo.models.cards`)."""
 
+from collections.abc import Mapping
 from typing import Any, Literal, Self, cast
 
 from pydantic import model_validator
@@ -21,6 +22,23 @@ class Quantization(FrozenModel):
 
     bits: int
     group_size: int
+
+
+def quantization_config(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A config.json's quantization entry with its bits and group size, if any."""
+    for key in ("quantization", "quantization_config"):
+        value = config.get(key)
+        if isinstance(value, dict) and "bits" in value and "group_size" in value:
+            return value
+    return None
+
+
+def default_quantization(config: Mapping[str, Any]) -> Quantization | None:
+    """A config.json's quantization (mlx-lm's key or Hugging Face's); None: unquantized."""
+    quant = quantization_config(config)
+    if quant is None:
+        return None
+    return Quantization(bits=int(quant["bits"]), group_size=int(quant["group_size"]))
 
 
 class WeightFile(FrozenModel):

@@ -54,6 +54,9 @@ class InstanceRank(FrozenModel):
     node_id: NodeId
     start_layer: int = Field(ge=0)
     end_layer: int  # exclusive
+    # A tensor rank's KV heads (with their query heads): a split may be uneven.
+    # None: a pipeline rank, or a model without a card.
+    kv_heads: int | None = None
 
 
 class Relocation(FrozenModel):

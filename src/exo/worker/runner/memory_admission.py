@@ -37,6 +37,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Literal, cast
 
@@ -54,6 +55,7 @@ from exo.engine.mlx.ring import Header, Link, Op, json_message
 from exo.engine.mlx.ring_agreements import STEP_SECONDS
 from exo.models.cards import ModelCardError, card_from_folder
 from exo.models.memory import sequence_kv
+from exo.shared.tensor_split import TensorSplit, card_split
 from exo.shared.types.frozen import FrozenModel
 from exo.shared.types.ids import ModelId
 from exo.shared.types.model_card import ModelCard
@@ -153,11 +155,11 @@ def request_kv(
     backend: MlxBackend,
     prefill_chunk: int = PREFILL_STEP_TOKENS,
     layers: tuple[int, int] | None = None,
-    tensor_ranks: int = 1,
+    kv_share: Fraction = Fraction(1),
 ) -> Callable[[int], int]:
     """Predicted KV bytes of one sequence of n tokens on a runner holding the
-    whole model (or `layers` of it, a pipeline rank; or a slice of every layer,
-    one of `tensor_ranks`), as mlx-lm allocates it: in steps of
+    whole model (or `layers` of it, a pipeline rank; or a slice of every layer
+    with `kv_share` of its KV heads, a tensor rank), as mlx-lm allocates it: in steps of
     `KV_ALLOCATION_STEP`, a sliding-window layer holding its window and a
     prefill chunk while it reads one."""
     start, end = layers if layers is not None else (0, None)
@@ -171,9 +173,19 @@ def request_kv(
 
     def kv_of(tokens: int) -> int:
         allocated = -(-tokens // KV_ALLOCATION_STEP) * KV_ALLOCATION_STEP
-        return sequence_kv(allocating, backend, allocated, start, end, tensor_ranks)
+        return sequence_kv(allocating, backend, allocated, start, end, kv_share)
 
     return kv_of
+
+
+def _kv_share(card: ModelCard, tensor_rank: tuple[int, int] | None) -> Fraction:
+    """The share of the KV heads a tensor rank (rank, ranks) holds; all, whole."""
+    if tensor_rank is None:
+        return Fraction(1)
+    rank, ranks = tensor_rank
+    split = card_split(card, ranks)
+    # A split that loaded but that the card refuses: sizes the card misreads.
+    return split.kv_share(rank) if isinstance(split, TensorSplit) else Fraction(1, ranks)
 
 
 def sequence_length(task: Generate) -> int:
@@ -490,11 +502,11 @@ def memory_gate(
     model_dir: Path,
     settings: MemorySettings,
     layers: tuple[int, int] | None = None,
-    tensor_ranks: int = 1,
+    tensor_rank: tuple[int, int] | None = None,
 ) -> MemoryGate | None:
     """The gate of a runner holding `weights` bytes (its part of the model in
-    `model_dir`: the whole model, or `layers` of it on a pipeline rank, or one
-    of `tensor_ranks` slices, and what it holds beside: a vision tower, a draft
+    `model_dir`: the whole model, or `layers` of it on a pipeline rank, or the
+    slice of tensor rank `tensor_rank` = (rank, ranks), and what it holds beside: a vision tower, a draft
     model); None, with a warning, when the model's folder gives no card to
     predict from."""
     try:
@@ -502,7 +514,7 @@ def memory_gate(
     except ModelCardError as error:
         logger.warning(f"memory admission is off: no model card to predict KV bytes ({error})")
         return None
-    kv_of = request_kv(card, backend_name(), layers=layers, tensor_ranks=tensor_ranks)
+    kv_of = request_kv(card, backend_name(), layers=layers, kv_share=_kv_share(card, tensor_rank))
     limit = settings.limit if settings.limit is not None else machine_memory_limit()
     gate = MemoryGate(
         kv_of,

@@ -135,7 +135,7 @@ def _join(
         namespace = cache_namespace(model_dir, None, (link.rank, link.size))
         if memory is not None:
             weights = weights_nbytes(local.model)
-            gate = memory_gate(weights, model_dir, memory, tensor_ranks=link.size)
+            gate = memory_gate(weights, model_dir, memory, tensor_rank=(link.rank, link.size))
     else:
         shard = load_shard(model_dir, layers)
         positions = install_multimodal_rope(shard.model, load_config(model_dir))
