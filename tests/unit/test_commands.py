@@ -204,6 +204,27 @@ def test_a_tensor_instance_on_explicit_ranks() -> None:
     assert event.instance.ring_hosts == (f"10.0.0.2:{P1}", f"10.0.0.3:{P0}")
 
 
+def test_ranks_kv_heads_must_be_the_split_the_runners_make() -> None:
+    """A preview's ranks carry their KV heads; other values are refused, not
+    silently replaced (the runners split as the card says)."""
+    card = sharded_card(M, n_heads=6, n_kv_heads=3)
+    state = STATE.model_copy(update={"cards": {M: card}})
+    ranks = [rank(B, 0, 4), rank(E, 0, 4)]
+    preview = [r.model_copy(update={"kv_heads": k}) for r, k in zip(ranks, (2, 1), strict=True)]
+    [event] = decide(state, tensor(M, *preview))
+    assert isinstance(event, InstanceCreated)
+    assert [r.kv_heads for r in event.instance.ranks] == [2, 1]
+    swapped = [r.model_copy(update={"kv_heads": k}) for r, k in zip(ranks, (1, 2), strict=True)]
+    with pytest.raises(CommandRejected) as refused:
+        decide(state, tensor(M, *swapped))
+    assert str(refused.value) == (
+        "2 tensor ranks split org/m's 3 KV heads 2/1 in this order, not as the ranks give them "
+        "(1/2); leave kv_heads out"
+    )
+    with pytest.raises(CommandRejected, match="kv_heads is for tensor ranks"):
+        decide(state, create(M, preview[0].model_copy(update={"end_layer": 2}), rank(E, 2, 4)))
+
+
 def test_ports_of_a_deleted_ring_are_free_again() -> None:
     state = STATE.model_copy(update={"instances": {EXISTING.instance_id: EXISTING}})
     [event] = decide(state, create(OTHER, rank(B, 0, 2), rank(A, 2, 4)))

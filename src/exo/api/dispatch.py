@@ -65,12 +65,11 @@ async def dispatch(
             raise lost_unanswered(f"this node no longer serves {model_id}")
         return await until_disconnect(request, lambda: answer(local, retry))
     tried: set[InstanceId] = set()
-    lost_local: ServedModel | None = None  # this node's model, once it lost the request
     failure: APIError | None = None
     for _ in range(MAX_ATTEMPTS):
         if failure is not None:
             # Within --retry-seconds of the first loss (also when it was this node's).
-            replicas, local = await _back(router, model_id, tried, lost_local, retry.deadline())
+            replicas, local = await _back(router, model_id, tried, retry.deadline())
             if not replicas and local is None:
                 if model_id in router.cluster.state.unplaced:
                     router.not_served(name, model_id)  # waits for a node: says so
@@ -79,6 +78,8 @@ async def dispatch(
         else:
             replicas = router.replicas(model_id)
             local = router.models.get(model_id)
+        if local is None:  # this node's instance, in the state, without a runner to answer here
+            replicas = [r for r in replicas if not r.local]
         if local is not None and not any(r.local for r in replicas):
             # The state has not caught up with this node's runner (or lost it).
             route_local = True
@@ -121,14 +122,15 @@ async def dispatch(
                     failure = error
         if route_local:
             assert local is not None
+            serving = local.runner.instance.instance_id  # before a re-placement replaces it
             try:
                 return await answer(local, retry)
             except APIError as error:
                 if not is_unanswered(error):
                     raise
                 logger.warning(f"this node lost the request before answering ({error.message})")
-                tried.add(local.runner.instance.instance_id)
-                lost_local, failure = local, error
+                tried.add(serving)
+                failure = error
     assert failure is not None
     raise worth_sending_again(failure)
 
@@ -153,15 +155,16 @@ async def _back(
     router: ModelRouter,
     model_id: ModelId,
     tried: set[InstanceId],
-    lost_local: ServedModel | None,
     deadline: float,
 ) -> tuple[list[Replica], ServedModel | None]:
     """Where a request lost before its answer began can go now: the model's
-    replicas not tried yet, and this node's model unless it is the one that
-    lost it; waited for (a re-placement) until the deadline."""
+    replicas not tried yet, and this node's model unless its instance is the
+    one that lost it (a re-placed one here is new); waited for (a re-placement)
+    until the deadline."""
     while True:
         local = router.models.get(model_id)
-        local = None if local is lost_local else local
+        if local is not None and local.runner.instance.instance_id in tried:
+            local = None
         replicas = router.replicas(model_id, exclude=tried)
         if replicas or local is not None or time.monotonic() >= deadline:
             return replicas, local

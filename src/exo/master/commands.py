@@ -80,6 +80,8 @@ def _check_pipeline(
         start = rank.end_layer
     if card is not None and start != card.n_layers:
         raise CommandRejected(f"{model_id} has {card.n_layers} layers, the ranks cover {start}")
+    if any(rank.kv_heads is not None for rank in ranks):
+        raise CommandRejected("kv_heads is for tensor ranks; a pipeline rank holds whole layers")
 
 
 def _check_tensor(model_id: ModelId, card: ModelCard | None, ranks: Sequence[InstanceRank]) -> None:
@@ -99,6 +101,13 @@ def _check_tensor(model_id: ModelId, card: ModelCard | None, ranks: Sequence[Ins
         why = tensor_refusal(card.architecture) or (split if isinstance(split, str) else None)
         if why is not None:
             raise CommandRejected(f"cannot split {model_id} by tensors: {why}")
+        given = tuple(rank.kv_heads for rank in ranks)
+        if any(given) and isinstance(split, TensorSplit) and given != split.kv_heads:
+            raise CommandRejected(
+                f"{len(ranks)} tensor ranks split {model_id}'s {card.n_kv_heads} KV heads "
+                f"{'/'.join(map(str, split.kv_heads or ()))} in this order, not as the ranks "
+                f"give them ({'/'.join(str(k) for k in given)}); leave kv_heads out"
+            )
 
 
 def _check_ranks(
