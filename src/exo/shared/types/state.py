@@ -55,8 +55,9 @@ class InstanceRank(FrozenModel):
     start_layer: int = Field(ge=0)
     end_layer: int  # exclusive
     # A tensor rank's KV heads (with their query heads): a split may be uneven.
-    # None: a pipeline rank, or a model without a card.
-    kv_heads: int | None = None
+    # None: a pipeline rank, or a model without a card; left out of the JSON
+    # then, so a pipeline rank reads as it did before the field existed.
+    kv_heads: int | None = Field(default=None, exclude_if=lambda heads: heads is None)
 
 
 class Relocation(FrozenModel):
